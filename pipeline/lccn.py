@@ -1,0 +1,124 @@
+"""The per-worker side of LCCN: sample a batch's latent labels against a replica of C.
+
+:class:`GibbsLabeler` keeps a local replica of the global counts and the current ``z`` of
+the batch it is about to sample; a *store* (the :class:`~pipeline.confusion_store.ConfusionStore`
+itself in one process, or a proxy to the Ray actor that holds it) answers one ``step`` call
+per batch that commits the sampled labels and syncs the replica for the next batch.
+
+Per step::
+
+    z_old, C_local  (from the previous sync)
+    z_new = Eq. 7 (probs, observed, z_old, C_local)        or phi_init during warm-up
+    store.step(idx, z_new, next_idx)  ->  z_old of next batch + count deltas since last sync
+
+Staleness = commits applied by the store that the replica had not seen when it sampled
+(0 with one worker). Trusted samples (LCCN+) keep their clean label and send no count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from pipeline.config import LCCNConfig
+from pipeline.confusion import as_alpha
+from pipeline.confusion_store import Sync
+from pipeline.sampler import anneal_gamma, gibbs_step
+
+
+class Store(Protocol):
+    def sync(self, idx: Tensor, *, since: int) -> Sync: ...
+    def step(self, idx: Tensor, z_new: Tensor, next_idx: Tensor, *, since: int,
+             worker: str = "0", seq: int | None = None) -> Sync: ...
+
+
+@dataclass
+class SampleStats:
+    gamma: float
+    warmup: bool
+    staleness: int
+    changed: float
+
+
+class GibbsLabeler:
+    """Samples latent labels for batches of one worker.
+
+    counts: (K_latent, K) int64 initial replica of C at version ``version``;
+    trusted: (N,) bool lookup by idx (LCCN+), clean: (N,) int64 lookup by idx;
+    phi_init: (K_latent, K) warm-up transition, rows sum to 1.
+    """
+
+    def __init__(self, cfg: LCCNConfig, store: Store, counts: Tensor, version: int, *,
+                 phi_init: Tensor, max_steps: int, generator: torch.Generator,
+                 trusted: Tensor | None = None, clean: Tensor | None = None,
+                 worker: str = "0") -> None:
+        self.cfg, self.store = cfg, store
+        self.counts = counts.clone()
+        self.version = version
+        self.k_latent, self.num_classes = counts.shape
+        self.alpha = as_alpha(cfg.alpha, self.num_classes)
+        self.phi_init = phi_init
+        self.max_steps = max(1, max_steps)
+        self.generator = generator
+        self.trusted = trusted if cfg.use_trusted else None
+        self.clean = clean
+        self.worker = worker
+        self.seq = 0
+        self.step_count = 0
+        self._pending: tuple[Tensor, Tensor] | None = None  # (idx, z_old) of the next batch
+
+    def gamma(self) -> float:
+        if not self.cfg.anneal:
+            return 1.0
+        return anneal_gamma(self.step_count, self.max_steps, floor=self.cfg.anneal_floor,
+                            rate=self.cfg.anneal_rate)
+
+    def prefetch(self, idx: Tensor) -> None:
+        """Sync ``z`` of the first batch (and the replica) before the first :meth:`sample`."""
+        self._absorb(self.store.sync(idx, since=self.version), idx)
+
+    def _absorb(self, sync: Sync, idx: Tensor) -> int:
+        staleness = sync.version - self.version
+        sync.apply_to(self.counts)
+        self.version = sync.version
+        self._pending = (idx, sync.z)
+        return staleness
+
+    def sample(self, probs: Tensor, observed: Tensor, idx: Tensor) -> tuple[Tensor, SampleStats]:
+        """Latent labels ``(B,) int64`` for a batch whose ``z`` was prefetched.
+
+        probs: (B, K_latent) classifier probabilities; observed, idx: (B,) int64.
+        Trusted samples return their clean label.
+        """
+        if self._pending is None or not torch.equal(self._pending[0], idx):
+            raise RuntimeError("sample() needs the batch's z first: call prefetch(idx) or "
+                               "commit(..., next_idx=idx) for this batch")
+        z_old = self._pending[1]
+        warm = self.step_count < self.cfg.warmup_steps
+        counted = None
+        if self.trusted is not None:
+            counted = ~self.trusted[idx]
+        z_new = gibbs_step(probs.detach().cpu(), observed.cpu(), z_old, self.counts, self.alpha,
+                           generator=self.generator, gamma=self.gamma(),
+                           phi=self.phi_init if warm else None, counted=counted)
+        if counted is not None and self.clean is not None:
+            z_new = torch.where(counted, z_new, self.clean[idx])
+        changed = float((z_new != z_old).float().mean()) if z_new.numel() else 0.0
+        return z_new, SampleStats(self.gamma(), warm, 0, changed)
+
+    def commit(self, idx: Tensor, z_new: Tensor, next_idx: Tensor | None) -> int:
+        """Send the batch's labels; sync ``z`` of ``next_idx``. Returns the staleness seen:
+        commits by other workers that this replica learned of only now."""
+        nxt = next_idx if next_idx is not None else idx[:0]
+        before = self.version
+        sync = self.store.step(idx, z_new, nxt, since=self.version, worker=self.worker,
+                               seq=self.seq)
+        self.seq += 1
+        self.step_count += 1
+        # our own commit advances the version by one; the rest came from other workers
+        staleness = max(0, sync.version - before - 1)
+        self._absorb(sync, nxt)
+        return staleness

@@ -1,0 +1,27 @@
+"""Losses. ``logits: (M, K)``; ``target: (M,) int64``."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def clipped_cross_entropy(logits: Tensor, target: Tensor, *, xi: float = 1e-20,
+                          weight: Tensor | None = None) -> Tensor:
+    """The ξ-clipped cross-entropy ℓ1 of Eq. 9: ``-log clip(softmax(logits)[target], ξ, 1-ξ)``.
+
+    Computed in log space: the log-probability is clamped to ``[log ξ, log(1-ξ)]`` so the
+    loss is bounded by ``-log ξ`` (the ρ of Theorem 2). ``weight (M,)`` averages with
+    per-sample weights (e.g. to drop padded samples); mean over the batch otherwise.
+    """
+    if not 0 < xi < 0.5:
+        raise ValueError(f"xi must lie in (0, 0.5), got {xi}")
+    logp = torch.log_softmax(logits.float(), dim=1).gather(1, target.long().unsqueeze(1)).squeeze(1)
+    upper = math.log1p(-xi) if xi > 1e-15 else 0.0
+    loss = -logp.clamp(math.log(xi), upper)
+    if weight is None:
+        return loss.mean()
+    w = weight.to(loss.dtype)
+    return (loss * w).sum() / w.sum().clamp_min(1.0)

@@ -1,0 +1,114 @@
+"""One Gibbs step of LCCN (Eq. 7 of the paper), vectorised over a batch.
+
+For sample m with observed label j = ỹ_m and current latent label z_old_m::
+
+    C¬ = C with one count removed at [z_old_m, j]              (its own count only)
+    p(k) ∝ [ P(k | x_m) · (α_j + C¬[k, j]) / Σ_j' (α_j' + C¬[k, j']) ] ^ γ
+
+Shapes: ``probs (M, K_latent)``, ``observed (M,) int64 in [0, K)``, ``z_old (M,) int64``,
+``counts (K_latent, K)``, ``alpha`` scalar or ``(K,)``. ``phi[k, j] = P(observed=j | latent=k)``.
+The own-count removal applies only to samples currently counted in C (``counted``);
+LCCN+'s trusted samples are never counted and never sampled.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from pipeline.confusion import as_alpha
+
+
+def anneal_gamma(step: int, max_step: int, *, floor: float = 0.5, rate: float = 0.8) -> float:
+    """The paper's power annealing ``max(exp(-rate * step / max_step), floor)``."""
+    if max_step <= 0:
+        raise ValueError(f"max_step must be > 0, got {max_step}")
+    return max(math.exp(-rate * step / max_step), floor)
+
+
+def conditional_transition(observed: Tensor, z_old: Tensor, counts: Tensor,
+                           alpha: float | Tensor, *, counted: Tensor | None = None) -> Tensor:
+    """The conditional transition term of Eq. 7, own count removed.
+
+    Returns ``(M, K_latent)`` float64: ``[m, k] = (α_j + C¬[k, j]) / Σ_j' (α_j' + C¬[k, j'])``
+    with ``j = observed[m]`` and ``C¬`` = ``counts`` less sample m's own count at
+    ``[z_old[m], j]`` when ``counted[m]`` (default: all counted).
+    """
+    k_latent, k = counts.shape
+    a = as_alpha(alpha, k).to(counts.device)
+    c = counts.to(torch.float64)
+    obs = observed.long()
+    num = c[:, obs].T + a[obs].unsqueeze(1)                    # (M, K_latent)
+    den = (c.sum(1) + a.sum()).expand(obs.shape[0], k_latent).clone()  # (M, K_latent)
+    own = torch.ones(obs.shape[0], dtype=torch.float64, device=counts.device)
+    if counted is not None:
+        own = own * counted.to(torch.float64)
+    rows = torch.arange(obs.shape[0], device=counts.device)
+    zo = z_old.long()
+    num[rows, zo] -= own
+    den[rows, zo] -= own
+    return num / den
+
+
+def gibbs_posterior(probs: Tensor, observed: Tensor, z_old: Tensor, counts: Tensor,
+                    alpha: float | Tensor, *, gamma: float = 1.0, phi: Tensor | None = None,
+                    counted: Tensor | None = None) -> Tensor:
+    """The normalised Eq. 7 conditional ``(M, K_latent)`` float64; rows sum to 1.
+
+    probs: (M, K_latent) classifier probabilities P(k | x_m) (clipped at 1e-30 before the
+        log, so a class the classifier rules out stays reachable only through the prior).
+    phi: optional (K_latent, K) warm-up transition replacing the conditional term (Eq. 8
+        or a smoothed identity) while ``step < δ``; rows sum to 1.
+    gamma: annealing power (1 = off).
+    counted: (M,) bool, which samples hold a count in C (default all).
+    """
+    if probs.ndim != 2:
+        raise ValueError(f"probs must be (M, K_latent), got {tuple(probs.shape)}")
+    m, k_latent = probs.shape
+    if counts.ndim != 2 or counts.shape[0] != k_latent:
+        raise ValueError(f"probs has {k_latent} latent classes but counts is "
+                         f"{tuple(counts.shape)}; they must agree")
+    if observed.shape != (m,) or z_old.shape != (m,):
+        raise ValueError(f"observed and z_old must be ({m},), got {tuple(observed.shape)}"
+                         f" and {tuple(z_old.shape)}")
+    if not gamma > 0:
+        raise ValueError(f"gamma must be > 0, got {gamma}")
+    k = counts.shape[1]
+    if m and (int(observed.min()) < 0 or int(observed.max()) >= k):
+        raise ValueError(f"observed labels must lie in [0, {k}), got range "
+                         f"[{int(observed.min())}, {int(observed.max())}]")
+    if m and (int(z_old.min()) < 0 or int(z_old.max()) >= k_latent):
+        raise ValueError(f"z_old must lie in [0, {k_latent}), got range "
+                         f"[{int(z_old.min())}, {int(z_old.max())}]")
+    if phi is not None:
+        if phi.shape != counts.shape:
+            raise ValueError(f"phi must have shape {tuple(counts.shape)}, got {tuple(phi.shape)}")
+        cond = phi.to(torch.float64)[:, observed.long()].T
+    else:
+        cond = conditional_transition(observed, z_old, counts, alpha, counted=counted)
+    logp = torch.log(probs.to(torch.float64).clamp_min(1e-30)) + torch.log(cond)
+    if gamma != 1.0:
+        logp = logp * gamma
+    return torch.softmax(logp, dim=1)
+
+
+def sample_categorical(p: Tensor, *, generator: torch.Generator) -> Tensor:
+    """One draw per row of ``p (M, K)`` (rows sum to 1) by inverse CDF; returns (M,) int64."""
+    u = torch.rand(p.shape[0], 1, generator=generator, dtype=p.dtype, device=p.device)
+    cdf = p.cumsum(1)
+    return torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(1).clamp_max(p.shape[1] - 1)
+
+
+def gibbs_step(probs: Tensor, observed: Tensor, z_old: Tensor, counts: Tensor,
+               alpha: float | Tensor, *, generator: torch.Generator, gamma: float = 1.0,
+               phi: Tensor | None = None, counted: Tensor | None = None) -> Tensor:
+    """Sample new latent labels ``z_new (M,) int64`` for a batch (Eq. 7).
+
+    Arguments as :func:`gibbs_posterior`; ``generator`` is the explicit source of
+    randomness (one uniform per sample).
+    """
+    p = gibbs_posterior(probs, observed, z_old, counts, alpha, gamma=gamma, phi=phi,
+                        counted=counted)
+    return sample_categorical(p, generator=generator)

@@ -1,0 +1,167 @@
+"""The single-process trainer: CE pre-training, then LCCN (Algorithm 3), or the CE baseline
+on the same schedule. The same pieces (GibbsLabeler, ConfusionStore, train_one_epoch) run
+inside Ray Train workers; here the store lives in-process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from pipeline.config import RunConfig
+from pipeline.confusion_store import ConfusionStore
+from pipeline.labels import LabelView
+from pipeline.lccn import GibbsLabeler
+from pipeline.loop import evaluate, predict, train_one_epoch
+from pipeline.models import build_model
+from pipeline.warmup import initial_assignment, smoothed_identity, soft_confusion
+
+
+class Batch(NamedTuple):
+    """images (B,C,H,W) float; observed, idx, clean (B,) int64; valid (B,) bool."""
+
+    images: Tensor
+    observed: Tensor
+    idx: Tensor
+    clean: Tensor
+    valid: Tensor
+
+
+@dataclass
+class TensorData:
+    """An in-memory split: ``images (N,C,H,W)`` float and the label view over it (idx = row)."""
+
+    images: Tensor
+    labels: LabelView
+
+    def __post_init__(self) -> None:
+        if self.images.shape[0] != len(self.labels):
+            raise ValueError(f"{self.images.shape[0]} images but a label view of "
+                             f"{len(self.labels)} samples")
+        self.observed = torch.from_numpy(self.labels.observed)
+        self.clean = torch.from_numpy(self.labels.clean)
+
+    def __len__(self) -> int:
+        return self.images.shape[0]
+
+    def batches(self, batch_size: int, *, generator: torch.Generator | None = None
+                ) -> Iterator[Batch]:
+        """Shuffled when a generator is given; the last batch may be smaller."""
+        n = len(self)
+        order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
+        for s in range(0, n, batch_size):
+            idx = order[s:s + batch_size]
+            yield Batch(self.images[idx], self.observed[idx], idx, self.clean[idx],
+                        torch.ones(idx.numel(), dtype=torch.bool))
+
+
+def transition_error(phi: Tensor, truth) -> float:
+    """Mean absolute difference between ``phi`` and the true transition over the rows both
+    have (the first K rows when one of them carries an outlier row)."""
+    if truth is None:
+        return float("nan")
+    t = torch.as_tensor(truth, dtype=torch.float64)
+    rows = min(phi.shape[0], t.shape[0])
+    return float((phi[:rows].to(torch.float64) - t[:rows]).abs().mean())
+
+
+class LocalTrainer:
+    """Trains one model on one split in this process.
+
+    ``fit`` runs ``optim.pretrain_epochs`` of CE, then (method "lccn") estimates
+    ``phi_init`` and the initial assignment from the pretrained model and continues with
+    LCCN; method "ce" continues with CE on the same learning-rate schedule.
+    """
+
+    def __init__(self, cfg: RunConfig, train: TensorData, test: TensorData, *,
+                 device: str = "cpu") -> None:
+        k = train.labels.num_classes
+        if test.labels.num_classes != k:
+            raise ValueError(f"train has {k} classes but test has {test.labels.num_classes}")
+        self.cfg, self.train, self.test, self.device = cfg, train, test, device
+        self.num_classes = k
+        self.k_latent = k + 1 if (cfg.method == "lccn" and cfg.lccn.outlier) else k
+        with torch.random.fork_rng(devices=[]):  # seeded init without touching global state
+            torch.manual_seed(cfg.seed)
+            self.model = build_model(cfg.model.name, self.k_latent,
+                                     in_channels=cfg.model.in_channels).to(device)
+        o = cfg.optim
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=o.lr, momentum=o.momentum,
+                                         weight_decay=o.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.MultiStepLR(
+            self.optimizer, milestones=list(o.milestones), gamma=o.lr_decay)
+        self.gen = torch.Generator().manual_seed(cfg.seed)
+        self.store: ConfusionStore | None = None
+        self.labeler: GibbsLabeler | None = None
+        trusted = torch.from_numpy(train.labels.trusted)
+        self.trusted = trusted if (cfg.method == "lccn" and cfg.lccn.use_trusted) else None
+
+    def _start_lccn(self) -> dict[str, float]:
+        """Algorithm 3 lines 2-3: phi_init and C from the pretrained classifier."""
+        lc = self.cfg.lccn
+        probs, idx, _ = predict(self.model, self.train.batches(512), device=self.device)
+        order = torch.argsort(idx)
+        probs = probs[order]
+        observed = self.train.observed
+        if lc.warmup == "eq8":
+            phi_init = soft_confusion(probs, observed, self.num_classes)
+        else:
+            phi_init = smoothed_identity(self.k_latent, self.num_classes,
+                                         smoothing=lc.warmup_smoothing)
+        z0 = initial_assignment(observed, probs=probs, mode=lc.init)
+        counted = None
+        if self.trusted is not None:
+            z0 = torch.where(self.trusted, self.train.clean, z0)
+            counted = ~self.trusted
+        self.store = ConfusionStore(observed, z0, self.k_latent, self.num_classes, counted=counted)
+        o = self.cfg.optim
+        steps_per_epoch = -(-len(self.train) // o.batch_size)
+        self.labeler = GibbsLabeler(
+            lc, self.store, self.store.counts, self.store.version, phi_init=phi_init,
+            max_steps=(o.epochs - o.pretrain_epochs) * steps_per_epoch, generator=self.gen,
+            trusted=self.trusted, clean=self.train.clean)
+        self.phi_init = phi_init
+        return {"init_transition_error": transition_error(phi_init, self.train.labels.transition)}
+
+    def fit(self, *, on_epoch: Callable[[int, dict[str, float]], None] | None = None
+            ) -> list[dict[str, float]]:
+        history = []
+        o = self.cfg.optim
+        for epoch in range(o.epochs):
+            extra: dict[str, float] = {}
+            if (self.cfg.method == "lccn" and epoch == o.pretrain_epochs) or (
+                    self.cfg.method == "lccn" and o.pretrain_epochs == 0 and epoch == 0):
+                extra = self._start_lccn()
+            labeler = self.labeler if epoch >= o.pretrain_epochs else None
+            t0 = time.perf_counter()
+            stats = train_one_epoch(
+                self.model, self.train.batches(o.batch_size, generator=self.gen),
+                self.optimizer, labeler=labeler, trusted=self.trusted, xi=self.cfg.lccn.xi,
+                device=self.device, num_classes=self.num_classes)
+            self.scheduler.step()
+            ev = evaluate(self.model, self.test.batches(512), num_classes=self.num_classes,
+                          device=self.device)
+            row = {"epoch": float(epoch), "phase": 1.0 if labeler is not None else 0.0,
+                   "lr": float(self.optimizer.param_groups[0]["lr"]), **stats,
+                   "test_top1": ev["top1"], "test_top5": ev["top5"],
+                   "epoch_time": time.perf_counter() - t0, **extra}
+            if self.store is not None:
+                if self.cfg.check_invariants:
+                    self.store.check()
+                row["transition_error"] = transition_error(self.store.transition(),
+                                                           self.train.labels.transition)
+            else:
+                row["transition_error"] = float("nan")
+            history.append(row)
+            if on_epoch is not None:
+                on_epoch(epoch, row)
+        return history
+
+    def transition(self) -> Tensor | None:
+        """The learned ``phi (K_latent, K)`` (rows sum to 1), or None for CE."""
+        return None if self.store is None else self.store.transition()

@@ -1,0 +1,232 @@
+"""Build a label view (``.npz``) for one split of shards, without decoding any image.
+
+Usage::
+
+    python -m shards.labelview --split-dir out/cifar10/train \\
+        --spec '{"kind": "asymmetric", "rate": 0.4, "seed": 0}' --out views/asym40.npz
+    python -m shards.labelview --split-dir out/clothing1m/train --csv my_labels.csv \\
+        --out views/annotators.npz
+
+Which labels are clean (``--labels-are-clean`` / ``--no-labels-are-clean``):
+
+- labels-are-clean (the default when ``manifest.dataset`` starts with ``cifar``): the
+  dataset's ``label`` field is the clean label. Synthetic noise is applied to it; the view's
+  ``clean`` is that label. A sample whose ``clean`` field is set and differs from ``label``
+  is an error (the dataset is not clean then).
+- otherwise (web datasets: Clothing1M, WebVision): the view's observed label is the
+  dataset's ``label`` and its clean label the dataset's ``clean`` (``-1`` where unknown).
+  Only ``"dataset"`` (the default spec), ``"csv"`` and ``"clean"`` (if every clean label
+  is known) make sense; synthetic noise needs known clean labels.
+
+``--csv PATH`` is shorthand for ``--spec '{"kind": "csv", "path": PATH}'``; the file's keys
+are the dataset's ``key`` field (``--csv-key key``, default) or the shard keys ``%08d`` of
+``idx`` (``--csv-key idx``). ``--trusted '{"fraction": 0.1, "seed": 0}'`` adds an LCCN+
+trusted subset to any spec. The command prints the realised noise rate and transition.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.labels import LabelView
+from pipeline.manifest import Manifest, ManifestError, sample_key
+from pipeline.noise import format_transition, make_view, summary
+
+_SYNTHETIC = {"symmetric", "asymmetric", "pair_flip", "cifar100_superclass", "open_set"}
+
+
+def read_split_labels(split_dir: str | Path, *, checksums: bool = False) -> dict[str, np.ndarray]:
+    """Per-sample labels of a split, read from the ``<key>.json`` members of its shards.
+
+    Returns ``idx (N,) int64`` (= ``arange(N)``), ``label (N,) int64``, ``clean (N,) int64``
+    (``-1`` unknown), ``key (N,) str`` (the dataset's original key), and ``coarse (N,) int64``
+    when every sample has a ``coarse`` field (CIFAR-100), all indexed by ``idx``.
+
+    Checks each shard's size against the manifest (and sha256 with ``checksums=True``), each
+    shard's sample count, that a member's name is ``sample_key(idx)``, labels lie in
+    ``[0, K)``, and that ``idx`` is dense in ``[0, N)`` with ``N = manifest.num_samples``.
+    Raises ``ManifestError`` naming the shard (and member) at fault.
+    """
+    split_dir = Path(split_dir)
+    man = Manifest.load(split_dir)
+    man.verify(split_dir, checksums=checksums)
+    n, k = man.num_samples, man.num_classes
+    label = np.full(n, -2, np.int64)
+    clean = np.full(n, -2, np.int64)
+    coarse = np.full(n, -1, np.int64)
+    has_coarse = 0
+    keys: list[str | None] = [None] * n
+    for shard in man.shards:
+        path = split_dir / shard.name
+        count = 0
+        with tarfile.open(path, "r:") as tar:
+            for member in tar:
+                if not member.isfile() or not member.name.endswith(".json"):
+                    continue
+                where = f"{path}: member {member.name}"
+                stem = Path(member.name).name[: -len(".json")]
+                f = tar.extractfile(member)
+                try:
+                    rec = json.loads(f.read())
+                except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                    raise ManifestError(f"{where}: invalid JSON ({e})") from None
+                idx = _int_field(rec, "idx", where)
+                if stem != sample_key(idx):
+                    raise ManifestError(f"{where}: holds idx {idx}, expected the member to be "
+                                        f"named {sample_key(idx)}.json")
+                if not 0 <= idx < n:
+                    raise ManifestError(f"{where}: idx {idx} is outside [0, {n}) "
+                                        f"(manifest num_samples {n})")
+                if label[idx] != -2:
+                    raise ManifestError(f"{where}: idx {idx} appears twice in the split")
+                lab, cl = _int_field(rec, "label", where), _int_field(rec, "clean", where)
+                if not 0 <= lab < k:
+                    raise ManifestError(f"{where}: label {lab} is outside [0, {k})")
+                if not -1 <= cl < k:
+                    raise ManifestError(f"{where}: clean {cl} is outside [-1, {k})")
+                key = rec.get("key")
+                if not isinstance(key, str):
+                    raise ManifestError(f"{where}: 'key' must be a string, got {key!r}")
+                label[idx], clean[idx], keys[idx] = lab, cl, key
+                if "coarse" in rec:
+                    coarse[idx] = _int_field(rec, "coarse", where)
+                    has_coarse += 1
+                count += 1
+        if count != shard.num_samples:
+            raise ManifestError(f"{path}: {count} samples, manifest says {shard.num_samples}")
+    absent = np.flatnonzero(label == -2)
+    if absent.size:  # unreachable when counts match and idx are unique, kept as a guard
+        raise ManifestError(f"{split_dir}: idx {int(absent[0])} is missing from the shards")
+    out = {"idx": np.arange(n, dtype=np.int64), "label": label, "clean": clean,
+           "key": np.array(keys, dtype=str)}
+    if has_coarse == n and n:
+        out["coarse"] = coarse
+    elif has_coarse:
+        raise ManifestError(f"{split_dir}: only {has_coarse} of {n} samples have 'coarse'")
+    return out
+
+
+def _int_field(rec: Any, name: str, where: str) -> int:
+    v = rec.get(name) if isinstance(rec, dict) else None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ManifestError(f"{where}: field {name!r} must be an int, got {v!r}")
+    return v
+
+
+def build_view(split_dir: str | Path, spec: dict[str, Any], *, labels_are_clean: bool | None = None,
+               csv_key: str = "key", checksums: bool = False) -> LabelView:
+    """The label view of ``spec`` over the split in ``split_dir`` (see the module docstring
+    for ``labels_are_clean``; None picks it from ``manifest.dataset``)."""
+    man = Manifest.load(split_dir)
+    if labels_are_clean is None:
+        labels_are_clean = man.dataset.lower().startswith("cifar")
+    lab = read_split_labels(split_dir, checksums=checksums)
+    if labels_are_clean:
+        bad = np.flatnonzero((lab["clean"] >= 0) & (lab["clean"] != lab["label"]))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(
+                f"{split_dir}: idx {i} has label {int(lab['label'][i])} but clean "
+                f"{int(lab['clean'][i])}; its labels are not clean "
+                "(pass --no-labels-are-clean)")
+        clean = lab["label"]
+    else:
+        clean = lab["clean"]
+        if spec.get("kind") in _SYNTHETIC and (clean < 0).any():
+            raise ValueError(
+                f"{split_dir}: synthetic noise {spec.get('kind')!r} needs clean labels, but "
+                f"{int((clean < 0).sum())} of {len(clean)} samples of dataset "
+                f"{man.dataset!r} have none (pass --labels-are-clean if its labels are clean)")
+    if csv_key not in ("key", "idx"):
+        raise ValueError(f"csv_key must be 'key' or 'idx', got {csv_key!r}")
+    keys = list(lab["key"]) if csv_key == "key" else [sample_key(i) for i in lab["idx"]]
+    return make_view(spec, clean, man.num_classes, keys=keys, coarse=lab.get("coarse"),
+                     observed=lab["label"])
+
+
+def _parse_json_arg(text: str, what: str) -> dict[str, Any]:
+    """A JSON object given inline or as the path of a ``.json`` file."""
+    src = text
+    if not text.lstrip().startswith("{"):
+        path = Path(text)
+        if not path.is_file():
+            raise SystemExit(f"{what}: {text!r} is neither a JSON object nor a file")
+        src = path.read_text()
+    try:
+        val = json.loads(src)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"{what}: invalid JSON ({e})") from None
+    if not isinstance(val, dict):
+        raise SystemExit(f"{what}: must be a JSON object, got {val!r}")
+    return val
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m shards.labelview", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--split-dir", required=True, type=Path,
+                   help="folder with manifest.json and the split's shards")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--spec", help="noise spec as JSON, or a .json file (default "
+                                    '{"kind": "dataset"}: the labels as they are)')
+    src.add_argument("--csv", type=Path, help="a key,label file of observed labels")
+    p.add_argument("--missing", choices=("raise", "keep"), default="raise",
+                   help="with --csv: samples not in the file raise (default) or keep the "
+                        "dataset's label")
+    p.add_argument("--csv-key", choices=("key", "idx"), default="key",
+                   help="with --csv: keys are the dataset's key field (default) or %%08d idx")
+    p.add_argument("--trusted", help='trusted subset as JSON, e.g. {"fraction": 0.1, "seed": 0}')
+    p.add_argument("--labels-are-clean", action=argparse.BooleanOptionalAction, default=None,
+                   help="the dataset's label field is clean (default: dataset name cifar*)")
+    p.add_argument("--checksums", action="store_true", help="also verify shard sha256")
+    p.add_argument("--out", required=True, type=Path, help="the .npz view to write")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = get_args_parser().parse_args(argv)
+    if args.csv is not None:
+        spec: dict[str, Any] = {"kind": "csv", "path": str(args.csv), "missing": args.missing}
+    elif args.spec is not None:
+        spec = _parse_json_arg(args.spec, "--spec")
+    else:
+        spec = {"kind": "dataset"}
+    if args.trusted is not None:
+        spec["trusted"] = _parse_json_arg(args.trusted, "--trusted")
+    try:
+        view = build_view(args.split_dir, spec, labels_are_clean=args.labels_are_clean,
+                          csv_key=args.csv_key, checksums=args.checksums)
+    except ValueError as e:  # ManifestError is a ValueError
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    view.save(args.out)
+    print(f"wrote {args.out}: {json.dumps(view.spec, sort_keys=True)}")
+    _print_summary(view)
+    return 0
+
+
+def _print_summary(view: LabelView) -> None:
+    s = summary(view)
+    print(f"samples {s['num_samples']}, classes {s['num_classes']}, known clean "
+          f"{s['known_clean']}, ood {s['ood']}, trusted {s['trusted']}")
+    exp = "n/a" if s["expected_rate"] is None else f"{s['expected_rate']:.4f}"
+    print(f"noise rate: realised {s['realised_rate']:.4f}, expected {exp}")
+    if view.transition is not None:
+        print(f"max |realised T - true T| over populated rows: "
+              f"{s['max_abs_transition_error']:.4f}")
+        print("true T[k, j] = P(observed=j | clean=k):")
+        print(format_transition(view.transition))
+    if s["known_clean"]:
+        print("realised T:")
+        print(format_transition(view.realised_transition()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

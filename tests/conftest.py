@@ -1,0 +1,37 @@
+"""Shared fixtures. Real data for tests lives in the ``shared/data`` folder beside the
+repository (override with ``LCCN_SHARED_DATA``)."""
+
+from __future__ import annotations
+
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def shared_data_dir() -> Path:
+    return Path(os.environ.get("LCCN_SHARED_DATA", REPO.parent / "shared" / "data"))
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    d = shared_data_dir()
+    if not d.is_dir():
+        pytest.fail(f"shared test data not found at {d}; set LCCN_SHARED_DATA")
+    return d
+
+
+@pytest.fixture(scope="session")
+def cifar10_jpeg_tree(shared_data, tmp_path_factory) -> Path:
+    """The extracted CIFAR-10 JPEG tree: ``<root>/train|test/<class>/NNNN.jpg``."""
+    root = tmp_path_factory.mktemp("cifar10-jpeg")
+    with tarfile.open(shared_data / "cifar10-jpeg.tar.gz") as tar:
+        tar.extractall(root, filter="data")
+    # the archive may hold a top-level folder; find the one that contains train/
+    for cand in [root, *root.iterdir()]:
+        if (cand / "train").is_dir():
+            return cand
+    pytest.fail(f"no train/ folder inside {shared_data / 'cifar10-jpeg.tar.gz'}")

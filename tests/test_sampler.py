@@ -1,0 +1,132 @@
+"""The Gibbs step of Eq. 7 against a slow, obvious loop oracle, and its statistics."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pipeline.sampler import (anneal_gamma, conditional_transition, gibbs_posterior, gibbs_step,
+                              sample_categorical)
+
+
+def oracle_posterior(probs, observed, z_old, counts, alpha, *, gamma=1.0, counted=None):
+    """Eq. 7 written out sample by sample, exactly as in the paper."""
+    m, k_latent = probs.shape
+    k = counts.shape[1]
+    alpha = torch.as_tensor(alpha, dtype=torch.float64).expand(k)
+    out = torch.zeros(m, k_latent, dtype=torch.float64)
+    for i in range(m):
+        c = counts.to(torch.float64).clone()
+        j = int(observed[i])
+        if counted is None or bool(counted[i]):
+            c[int(z_old[i]), j] -= 1  # its own count only
+        for kk in range(k_latent):
+            cond = (alpha[j] + c[kk, j]) / sum(alpha[jj] + c[kk, jj] for jj in range(k))
+            out[i, kk] = (float(probs[i, kk]) * cond) ** gamma
+        out[i] /= out[i].sum()
+    return out
+
+
+def random_state(gen, *, m=16, k=5, k_latent=None, n_per_cell=3):
+    k_latent = k_latent or k
+    probs = torch.softmax(torch.randn(m, k_latent, generator=gen, dtype=torch.float64) * 2, 1)
+    observed = torch.randint(0, k, (m,), generator=gen)
+    z_old = torch.randint(0, k_latent, (m,), generator=gen)
+    counts = torch.randint(0, n_per_cell, (k_latent, k), generator=gen)
+    # every batch sample holds its own count in C
+    counts.index_put_((z_old, observed), torch.ones(m, dtype=torch.int64), accumulate=True)
+    return probs, observed, z_old, counts
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.05, [0.5, 1.0, 2.0, 0.1, 3.0]])
+@pytest.mark.parametrize("gamma", [1.0, 0.6])
+@pytest.mark.parametrize("k_latent", [5, 6])
+def test_posterior_matches_loop_oracle(alpha, gamma, k_latent):
+    gen = torch.Generator().manual_seed(1)
+    probs, observed, z_old, counts = random_state(gen, k_latent=k_latent)
+    counted = torch.rand(16, generator=gen) > 0.3
+    got = gibbs_posterior(probs, observed, z_old, counts, alpha, gamma=gamma,
+                          counted=counted)
+    want = oracle_posterior(probs, observed, z_old, counts, alpha, gamma=gamma, counted=counted)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_own_count_removal_changes_the_conditional():
+    """A sample alone in its cell: removing its count must zero that cell's evidence."""
+    counts = torch.tensor([[1, 0], [0, 5]])
+    observed, z_old = torch.tensor([0]), torch.tensor([0])
+    cond = conditional_transition(observed, z_old, counts, 1e-3)
+    # C¬[0, 0] = 0 -> (α + 0) / (2α + 0) = 0.5; without removal it would be ~1
+    assert cond[0, 0] == pytest.approx(0.5)
+    assert cond[0, 1] == pytest.approx(1e-3 / (2e-3 + 5))
+
+
+def test_empirical_draws_match_the_posterior():
+    gen = torch.Generator().manual_seed(2)
+    probs, observed, z_old, counts = random_state(gen, m=4, k=4)
+    p = oracle_posterior(probs, observed, z_old, counts, 1.0)
+    reps = 40_000
+    z = gibbs_step(probs.repeat(reps, 1), observed.repeat(reps), z_old.repeat(reps), counts, 1.0,
+                   generator=torch.Generator().manual_seed(3))
+    freq = torch.zeros_like(p)
+    freq.index_put_((torch.arange(4).repeat(reps), z), torch.ones(z.numel(), dtype=torch.float64),
+                    accumulate=True)
+    freq /= reps
+    # 5 standard errors of a binomial proportion, per cell
+    se = torch.sqrt(p * (1 - p) / reps)
+    assert ((freq - p).abs() <= 5 * se + 1e-4).all(), (freq, p)
+
+
+def test_generator_makes_draws_reproducible():
+    gen = torch.Generator().manual_seed(4)
+    probs, observed, z_old, counts = random_state(gen, m=64)
+    a = gibbs_step(probs, observed, z_old, counts, 1.0, generator=torch.Generator().manual_seed(9))
+    b = gibbs_step(probs, observed, z_old, counts, 1.0, generator=torch.Generator().manual_seed(9))
+    c = gibbs_step(probs, observed, z_old, counts, 1.0, generator=torch.Generator().manual_seed(10))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_warmup_phi_replaces_the_conditional():
+    gen = torch.Generator().manual_seed(5)
+    probs, observed, z_old, counts = random_state(gen, m=8, k=3)
+    phi = torch.tensor([[0.8, 0.1, 0.1], [0.2, 0.6, 0.2], [0.1, 0.1, 0.8]], dtype=torch.float64)
+    got = gibbs_posterior(probs, observed, z_old, counts, 1.0, phi=phi)
+    want = probs * phi[:, observed].T
+    torch.testing.assert_close(got, want / want.sum(1, keepdim=True))
+
+
+def test_sample_categorical_respects_zero_probabilities():
+    p = torch.tensor([[0.0, 1.0, 0.0], [0.5, 0.0, 0.5]], dtype=torch.float64).repeat(500, 1)
+    z = sample_categorical(p, generator=torch.Generator().manual_seed(0))
+    assert (z[0::2] == 1).all()
+    assert set(z[1::2].tolist()) == {0, 2}
+
+
+def test_anneal_schedule():
+    assert anneal_gamma(0, 100) == 1.0
+    assert anneal_gamma(50, 100) == pytest.approx(math.exp(-0.4))
+    assert anneal_gamma(100, 100) == 0.5  # floor: exp(-0.8) = 0.449 < 0.5
+    with pytest.raises(ValueError, match="max_step"):
+        anneal_gamma(1, 0)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(alpha=0.0), "alpha"),
+    (dict(alpha=-1.0), "alpha"),
+    (dict(alpha=[1.0, 1.0]), r"alpha must be a scalar or have shape \(5,\)"),
+    (dict(observed=torch.tensor([0] * 15 + [7])), r"observed labels must lie in \[0, 5\)"),
+    (dict(z_old=torch.tensor([0] * 15 + [9])), r"z_old must lie in \[0, 5\)"),
+    (dict(probs=torch.full((16, 4), 0.25, dtype=torch.float64)), "4 latent classes"),
+    (dict(observed=torch.tensor([0, 1])), r"observed and z_old must be \(16,\)"),
+    (dict(gamma=0.0), "gamma"),
+])
+def test_bad_input_is_named(bad, match):
+    gen = torch.Generator().manual_seed(6)
+    probs, observed, z_old, counts = random_state(gen)
+    args = dict(probs=probs, observed=observed, z_old=z_old, counts=counts, alpha=1.0, gamma=1.0)
+    args.update(bad)
+    with pytest.raises(ValueError, match=match):
+        gibbs_step(args["probs"], args["observed"], args["z_old"], args["counts"], args["alpha"],
+                   gamma=args["gamma"], generator=gen)
