@@ -18,7 +18,8 @@ Staleness = commits applied by the store that the replica had not seen when it s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+import time
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -30,17 +31,22 @@ from pipeline.sampler import anneal_gamma, gibbs_step
 
 
 class Store(Protocol):
+    """The in-process ConfusionStore, or a proxy to the actor holding it. ``step`` may
+    return a :class:`Sync` or a handle that ``resolve`` turns into one (so the round trip
+    overlaps the backward pass and the next forward)."""
+
     def sync(self, idx: Tensor, *, since: int) -> Sync: ...
     def step(self, idx: Tensor, z_new: Tensor, next_idx: Tensor, *, since: int,
-             worker: str = "0", seq: int | None = None) -> Sync: ...
+             worker: str = "0", seq: int | None = None) -> Any: ...
 
 
 @dataclass
 class SampleStats:
     gamma: float
     warmup: bool
-    staleness: int
-    changed: float
+    staleness: int   # commits by other workers the replica had not seen when it last synced
+    changed: float   # fraction of the batch whose latent label moved
+    wait: float      # seconds blocked on the store before sampling
 
 
 class GibbsLabeler:
@@ -69,6 +75,8 @@ class GibbsLabeler:
         self.seq = 0
         self.step_count = 0
         self._pending: tuple[Tensor, Tensor] | None = None  # (idx, z_old) of the next batch
+        self._inflight: tuple[Any, Tensor, int] | None = None  # (step reply, next_idx, version)
+        self._staleness = 0
 
     def gamma(self) -> float:
         if not self.cfg.anneal:
@@ -78,21 +86,36 @@ class GibbsLabeler:
 
     def prefetch(self, idx: Tensor) -> None:
         """Sync ``z`` of the first batch (and the replica) before the first :meth:`sample`."""
+        self._resolve()
         self._absorb(self.store.sync(idx, since=self.version), idx)
 
-    def _absorb(self, sync: Sync, idx: Tensor) -> int:
-        staleness = sync.version - self.version
+    def _absorb(self, sync: Sync, idx: Tensor) -> None:
         sync.apply_to(self.counts)
         self.version = sync.version
         self._pending = (idx, sync.z)
-        return staleness
+
+    def _resolve(self) -> float:
+        """Wait for the reply of the last commit, if any; returns the seconds waited."""
+        if self._inflight is None:
+            return 0.0
+        reply, nxt, before = self._inflight
+        self._inflight = None
+        t0 = time.perf_counter()
+        sync = reply if isinstance(reply, Sync) else self.store.resolve(reply)
+        waited = time.perf_counter() - t0
+        # our own commit advanced the version by one; the rest came from other workers
+        self._staleness = max(0, sync.version - before - 1)
+        self._absorb(sync, nxt)
+        return waited
 
     def sample(self, probs: Tensor, observed: Tensor, idx: Tensor) -> tuple[Tensor, SampleStats]:
-        """Latent labels ``(B,) int64`` for a batch whose ``z`` was prefetched.
+        """Latent labels ``(B,) int64`` for a batch whose ``z`` was prefetched or requested
+        with the previous commit.
 
         probs: (B, K_latent) classifier probabilities; observed, idx: (B,) int64.
         Trusted samples return their clean label.
         """
+        waited = self._resolve()
         if self._pending is None or not torch.equal(self._pending[0], idx):
             raise RuntimeError("sample() needs the batch's z first: call prefetch(idx) or "
                                "commit(..., next_idx=idx) for this batch")
@@ -101,24 +124,25 @@ class GibbsLabeler:
         counted = None
         if self.trusted is not None:
             counted = ~self.trusted[idx]
+        gamma = self.gamma()
         z_new = gibbs_step(probs.detach().cpu(), observed.cpu(), z_old, self.counts, self.alpha,
-                           generator=self.generator, gamma=self.gamma(),
+                           generator=self.generator, gamma=gamma,
                            phi=self.phi_init if warm else None, counted=counted)
         if counted is not None and self.clean is not None:
             z_new = torch.where(counted, z_new, self.clean[idx])
         changed = float((z_new != z_old).float().mean()) if z_new.numel() else 0.0
-        return z_new, SampleStats(self.gamma(), warm, 0, changed)
+        return z_new, SampleStats(gamma, warm, self._staleness, changed, waited)
 
-    def commit(self, idx: Tensor, z_new: Tensor, next_idx: Tensor | None) -> int:
-        """Send the batch's labels; sync ``z`` of ``next_idx``. Returns the staleness seen:
-        commits by other workers that this replica learned of only now."""
+    def commit(self, idx: Tensor, z_new: Tensor, next_idx: Tensor | None) -> None:
+        """Send the batch's labels and ask for ``z`` of ``next_idx``; does not wait for the
+        reply (the next :meth:`sample` or :meth:`flush` does)."""
         nxt = next_idx if next_idx is not None else idx[:0]
-        before = self.version
-        sync = self.store.step(idx, z_new, nxt, since=self.version, worker=self.worker,
-                               seq=self.seq)
+        reply = self.store.step(idx, z_new, nxt, since=self.version, worker=self.worker,
+                                seq=self.seq)
+        self._inflight = (reply, nxt, self.version)
         self.seq += 1
         self.step_count += 1
-        # our own commit advances the version by one; the rest came from other workers
-        staleness = max(0, sync.version - before - 1)
-        self._absorb(sync, nxt)
-        return staleness
+
+    def flush(self) -> float:
+        """Wait for the last commit (end of an epoch, before a checkpoint)."""
+        return self._resolve()

@@ -57,9 +57,11 @@ def train_one_epoch(model: nn.Module, batches: Iterable[Any], optimizer: torch.o
             t0 = time.perf_counter()
             probs = torch.softmax(logits.detach().float(), dim=1)
             z, stats = labeler.sample(probs, observed, idx)
-            tot["sampler"] += time.perf_counter() - t0
+            tot["sampler"] += time.perf_counter() - t0 - stats.wait
+            tot["sync"] += stats.wait
             target = z
             tot["changed"] += stats.changed
+            tot["staleness"] += stats.staleness
             tot["gamma"] = stats.gamma
         else:
             target = observed
@@ -71,8 +73,7 @@ def train_one_epoch(model: nn.Module, batches: Iterable[Any], optimizer: torch.o
         optimizer.step()
         if labeler is not None:
             t0 = time.perf_counter()
-            tot["staleness"] += labeler.commit(idx[valid], z[valid],
-                                               nxt.idx if nxt is not None else None)
+            labeler.commit(idx[valid], z[valid], nxt.idx if nxt is not None else None)
             tot["sync"] += time.perf_counter() - t0
         if after_step is not None:
             after_step()
@@ -85,6 +86,8 @@ def train_one_epoch(model: nn.Module, batches: Iterable[Any], optimizer: torch.o
         tot["known"] += int(known.sum())
         tot["recovered"] += int((target.cpu()[known] == clean[known]).sum())
         tot["steps"] += 1
+    if labeler is not None:
+        tot["sync"] += labeler.flush()
     elapsed = time.perf_counter() - t_start
     steps = max(tot["steps"], 1)
     return {
