@@ -1,0 +1,182 @@
+"""Backbone factory: shapes, sizes, gradients, pretrained loading and argument checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pipeline.models import (
+    MODELS,
+    available_models,
+    build_model,
+    count_parameters,
+)
+
+# (name, input (C, H, W), num_classes): the smallest inputs each model is meant for
+CASES = [
+    ("small_cnn", (3, 32, 32), 10),
+    ("preact_resnet32", (3, 32, 32), 11),  # LCCN*: K + 1
+    ("preact_resnet18", (3, 32, 32), 100),
+    ("resnet50", (3, 64, 64), 14),
+    ("inception_resnet_v2", (3, 75, 75), 7),
+]
+
+
+@pytest.fixture
+def gen() -> torch.Generator:
+    return torch.Generator().manual_seed(0)
+
+
+def test_every_model_is_covered():
+    assert sorted(name for name, _, _ in CASES) == available_models() == sorted(MODELS)
+
+
+@pytest.mark.parametrize(("name", "chw", "k"), CASES)
+def test_forward_shape(name, chw, k, gen):
+    model = build_model(name, k, seed=0).eval()
+    x = torch.randn(2, *chw, generator=gen)
+    with torch.no_grad():
+        logits = model(x)
+    assert logits.shape == (2, k)
+    assert logits.dtype == torch.float32
+    assert torch.isfinite(logits).all()
+    # the two samples differ, so the logits must too (catches a head fed a constant)
+    assert not torch.allclose(logits[0], logits[1])
+
+
+@pytest.mark.parametrize(
+    ("name", "lo", "hi"),
+    [("preact_resnet32", 0.45e6, 0.48e6), ("preact_resnet18", 11.0e6, 11.3e6)],
+)
+def test_parameter_counts(name, lo, hi):
+    n = count_parameters(build_model(name, 10))
+    assert lo <= n <= hi, f"{name}: {n} parameters"
+
+
+def test_exact_parameter_counts():
+    # ResNet-32 of He et al. (zero-pad shortcuts) and DivideMix's PreResNet18, 10 classes
+    assert count_parameters(build_model("preact_resnet32", 10)) == 464_154
+    assert count_parameters(build_model("preact_resnet18", 10)) == 11_171_274
+    # resnet50: torchvision's 25,557,032 with its 1000-way head swapped for a 14-way one
+    assert count_parameters(build_model("resnet50", 14)) == 25_557_032 - 2049 * 1000 + 2049 * 14
+
+
+def test_count_parameters_trainable_only():
+    model = build_model("small_cnn", 10)
+    total = count_parameters(model)
+    for p in model.fc.parameters():
+        p.requires_grad_(False)
+    assert count_parameters(model, trainable_only=True) == total - (128 * 10 + 10)
+    assert count_parameters(model) == total
+
+
+def test_head_width_tracks_num_classes():
+    a = count_parameters(build_model("preact_resnet32", 10))
+    b = count_parameters(build_model("preact_resnet32", 11))
+    assert b - a == 64 + 1  # one more row of the 64 -> K linear head
+
+
+def test_small_cnn_digits_input(gen):
+    model = build_model("small_cnn", 10, in_channels=1, seed=0).eval()
+    with torch.no_grad():
+        out = model(torch.randn(2, 1, 8, 8, generator=gen))
+    assert out.shape == (2, 10)
+    with pytest.raises(ValueError, match="8x8"):
+        model(torch.randn(2, 1, 7, 7, generator=gen))
+
+
+@pytest.mark.parametrize("name", ["preact_resnet32", "resnet50"])
+def test_other_in_channels(name, gen):
+    model = build_model(name, 5, in_channels=1, seed=0).eval()
+    with torch.no_grad():
+        assert model(torch.randn(1, 1, 32, 32, generator=gen)).shape == (1, 5)
+
+
+def test_small_cnn_backward_reaches_every_parameter_and_learns(gen):
+    model = build_model("small_cnn", 3, seed=0).train()
+    x = torch.randn(16, 3, 16, 16, generator=gen)
+    y = torch.randint(0, 3, (16,), generator=gen)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for _ in range(20):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        losses.append(loss.item())
+        if len(losses) == 1:
+            for pname, p in model.named_parameters():
+                assert p.grad is not None and p.grad.abs().sum() > 0, pname
+        opt.step()
+    # one fixed batch must be memorised
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_seed_makes_init_reproducible_without_touching_global_rng():
+    state = torch.random.get_rng_state()
+    a = build_model("preact_resnet32", 10, seed=3)
+    b = build_model("preact_resnet32", 10, seed=3)
+    c = build_model("preact_resnet32", 10, seed=4)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[key], sb[key]) for key in sa)
+    assert not torch.equal(sa["fc.weight"], sc["fc.weight"])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(name="resnet_9000", num_classes=10), "unknown model 'resnet_9000'.*small_cnn"),
+        (dict(name="small_cnn", num_classes=1), "num_classes must be >= 2, got 1"),
+        (dict(name="small_cnn", num_classes=0), "num_classes must be >= 2, got 0"),
+        (dict(name="small_cnn", num_classes=2.5), "num_classes .* got 2.5"),
+        (dict(name="small_cnn", num_classes=True), "num_classes .* got True"),
+        (dict(name="small_cnn", num_classes=10, in_channels=0), "in_channels must be >= 1, got 0"),
+        (dict(name="preact_resnet18", num_classes=10, pretrained=True), "no pretrained"),
+    ],
+)
+def test_bad_arguments_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        build_model(**kwargs)
+
+
+def test_unknown_name_lists_every_model():
+    with pytest.raises(ValueError) as info:
+        build_model("nope", 10)
+    for name in available_models():
+        assert name in str(info.value)
+
+
+def test_resnet50_pretrained_missing_cache_file_raises(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    with pytest.raises(FileNotFoundError) as info:
+        build_model("resnet50", 14, pretrained=True)
+    msg = str(info.value)
+    assert str(tmp_path / "hub" / "checkpoints" / "resnet50-0676ba61.pth") in msg
+    assert "does not download" in msg
+
+
+def test_resnet50_pretrained_loads_cached_weights(tmp_path, monkeypatch):
+    """A state dict placed where torch hub caches the ImageNet weights is loaded by
+    torchvision's own loader (no network), and only the head is replaced."""
+    from torchvision.models import resnet50
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(123)  # a reference "ImageNet" model, not the one build_model draws
+        reference = resnet50(weights=None)  # 1000 classes, like the real file
+    ckpt = tmp_path / "hub" / "checkpoints" / "resnet50-0676ba61.pth"
+    ckpt.parent.mkdir(parents=True)
+    torch.save({k: v.half() for k, v in reference.state_dict().items()}, ckpt)  # 50 MB
+
+    model = build_model("resnet50", 14, pretrained=True, seed=0)
+    got, ref = model.state_dict(), reference.state_dict()
+    assert model.fc.out_features == 14
+    assert set(got) == set(ref)
+    for key, value in ref.items():
+        if key.startswith("fc.") or not value.is_floating_point():
+            continue
+        assert torch.equal(got[key], value.half().float()), key
+    assert not torch.equal(got["fc.weight"][:14], ref["fc.weight"][:14].half().float())
+    with pytest.raises(ValueError, match="in_channels=1"):
+        build_model("resnet50", 14, in_channels=1, pretrained=True)
