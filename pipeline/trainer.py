@@ -34,10 +34,17 @@ class Batch(NamedTuple):
 
 @dataclass
 class TensorData:
-    """An in-memory split: ``images (N,C,H,W)`` float and the label view over it (idx = row)."""
+    """An in-memory split: ``images (N,C,H,W)`` float and the label view over it (idx = row).
+
+    augment: optional ``augment(images (B,C,H,W), generator) -> (B,C,H,W)`` applied to the
+    images of every batch of a shuffled (training) pass, i.e. when :meth:`batches` is given
+    a generator; it draws from that same generator. Unshuffled passes (prediction,
+    evaluation, the Eq. 8 estimate) see the stored images unchanged.
+    """
 
     images: Tensor
     labels: LabelView
+    augment: Callable[[Tensor, torch.Generator], Tensor] | None = None
 
     def __post_init__(self) -> None:
         if self.images.shape[0] != len(self.labels):
@@ -51,12 +58,16 @@ class TensorData:
 
     def batches(self, batch_size: int, *, generator: torch.Generator | None = None
                 ) -> Iterator[Batch]:
-        """Shuffled when a generator is given; the last batch may be smaller."""
+        """Shuffled (and augmented, if :attr:`augment` is set) when a generator is given;
+        the last batch may be smaller."""
         n = len(self)
         order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
         for s in range(0, n, batch_size):
             idx = order[s:s + batch_size]
-            yield Batch(self.images[idx], self.observed[idx], idx, self.clean[idx],
+            images = self.images[idx]
+            if generator is not None and self.augment is not None:
+                images = self.augment(images, generator)
+            yield Batch(images, self.observed[idx], idx, self.clean[idx],
                         torch.ones(idx.numel(), dtype=torch.bool))
 
 
@@ -86,10 +97,8 @@ class LocalTrainer:
         self.cfg, self.train, self.test, self.device = cfg, train, test, device
         self.num_classes = k
         self.k_latent = k + 1 if (cfg.method == "lccn" and cfg.lccn.outlier) else k
-        with torch.random.fork_rng(devices=[]):  # seeded init without touching global state
-            torch.manual_seed(cfg.seed)
-            self.model = build_model(cfg.model.name, self.k_latent,
-                                     in_channels=cfg.model.in_channels).to(device)
+        self.model = build_model(cfg.model.name, self.k_latent, in_channels=cfg.model.in_channels,
+                                 seed=cfg.seed).to(device)
         o = cfg.optim
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=o.lr, momentum=o.momentum,
                                          weight_decay=o.weight_decay)
