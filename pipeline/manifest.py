@@ -70,6 +70,7 @@ class Manifest:
         fd, tmp = tempfile.mkstemp(dir=split_dir, prefix=".manifest", suffix=".tmp")
         with os.fdopen(fd, "w") as f:
             f.write(self.to_json())
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; readers may be other users
         os.replace(tmp, path)
         return path
 

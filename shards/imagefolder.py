@@ -1,0 +1,136 @@
+"""Any ``root/<split>/<class>/<file>`` image tree -> shards (original bytes kept).
+
+Classes are the class folders of all converted splits together, sorted by name (so every
+split uses the same label indices), or an explicit ``classes`` list (folders not in it are an
+error). Within a class, image files are found recursively and sorted by their path relative
+to the class folder; ``idx`` follows class order, then file order. ``label`` = the class
+index; ``clean`` = the class index too (the folders are the dataset's labels), or ``-1`` with
+``labels_unverified=True`` (e.g. web-crawled folders). ``key`` = ``<class>/<file>``, relative
+to the split folder. Hidden files and files without an image extension are ignored (and
+counted in the manifest's ``source["ignored_files"]``).
+
+For the CIFAR-10 JPEG tree (``train|test/<class>/NNNN.jpg``) this gives 50,000 train and
+10,000 test samples, labels in the standard CIFAR-10 order.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Literal
+
+from pipeline.manifest import Manifest
+from shards.writer import SampleRecord, ShardError, WriterOptions, write_split
+
+IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff",
+                              ".ppm", ".pgm"})
+
+
+def _visible_dirs(path: Path) -> list[str]:
+    return sorted(e.name for e in os.scandir(path) if e.is_dir() and not e.name.startswith("."))
+
+
+def list_class_files(class_dir: Path) -> tuple[list[str], int]:
+    """Image files under ``class_dir`` (relative POSIX paths, unsorted) and the ignored count."""
+    files: list[str] = []
+    ignored = 0
+    for dirpath, dirnames, filenames in os.walk(class_dir):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        rel_dir = Path(dirpath).relative_to(class_dir)
+        for f in filenames:
+            if f.startswith(".") or Path(f).suffix.lower() not in IMAGE_EXTENSIONS:
+                ignored += 1
+                continue
+            files.append((rel_dir / f).as_posix())
+    return files, ignored
+
+
+def scan_split(split_dir: Path, classes: Sequence[str]) -> tuple[dict[str, list[str]], int]:
+    """``{class: image files relative to its folder}`` of one split, and the ignored count."""
+    files: dict[str, list[str]] = {}
+    ignored = 0
+    for cls in classes:
+        if (split_dir / cls).is_dir():
+            files[cls], n = list_class_files(split_dir / cls)
+            ignored += n
+    return files, ignored
+
+
+def find_splits(src: str | os.PathLike) -> list[str]:
+    """The split folders of ``src`` (its visible subfolders), sorted."""
+    src = Path(src)
+    if not src.is_dir():
+        raise ShardError(f"{src}: not a folder")
+    return _visible_dirs(src)
+
+
+def split_records(split_dir: Path, files: Mapping[str, Sequence[str]], classes: Sequence[str],
+                  *, labels_unverified: bool = False) -> list[SampleRecord]:
+    """Records of one split: class order, then files sorted by relative path; idx = position.
+
+    ``files``: ``{class: paths relative to split_dir/<class>}`` (e.g. from :func:`scan_split`).
+    """
+    records: list[SampleRecord] = []
+    for lab, cls in enumerate(classes):
+        for rel in sorted(files.get(cls, ())):
+            records.append(SampleRecord(
+                idx=len(records), label=lab, clean=-1 if labels_unverified else lab,
+                key=f"{cls}/{rel}", path=str(split_dir / cls / rel)))
+    return records
+
+
+def convert(
+    src: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    splits: Sequence[str] | None = None,
+    classes: Sequence[str] | None = None,
+    labels_unverified: bool = False,
+    dataset: str = "imagefolder",
+    shard_size: int = 1000,
+    workers: int = 1,
+    resize_short: int | None = None,
+    validate: Literal["verify", "decode"] = "verify",
+    skip_bad: bool = False,
+    progress: bool = True,
+) -> dict[str, Manifest]:
+    """Convert ``src/<split>/<class>/...`` to ``out_dir/<split>/`` shards.
+
+    ``splits``: which split folders (default: every visible subfolder of ``src``).
+    ``classes``: class names in label order (default: sorted union of class folders).
+    """
+    src = Path(src)
+    splits = list(splits) if splits is not None else find_splits(src)
+    if not splits:
+        raise ShardError(f"{src}: no split folders (expected {src}/<split>/<class>/<file>)")
+    class_dirs: dict[str, list[str]] = {}
+    for split in splits:
+        if not (src / split).is_dir():
+            raise ShardError(f"{src / split}: split folder not found")
+        class_dirs[split] = _visible_dirs(src / split)
+    found = sorted(set().union(*class_dirs.values()))
+    if classes is None:
+        classes = found
+    else:
+        classes = list(classes)
+        if len(set(classes)) != len(classes):
+            raise ShardError(f"class list has duplicates: {classes}")
+        for split, dirs in class_dirs.items():
+            extra = sorted(set(dirs) - set(classes))
+            if extra:
+                raise ShardError(f"{src / split}: class folder(s) {extra} not in the class list")
+    if not classes:
+        raise ShardError(f"{src}: no class folders under {splits}")
+    opts = WriterOptions(shard_size=shard_size, workers=workers, resize_short=resize_short,
+                         validate=validate, skip_bad=skip_bad, progress=progress)
+    out: dict[str, Manifest] = {}
+    for split in splits:
+        files, ignored = scan_split(src / split, classes)
+        records = split_records(src / split, files, classes, labels_unverified=labels_unverified)
+        source = {"converter": "shards.imagefolder", "format": "imagefolder",
+                  "root": str(src), "labels_unverified": labels_unverified,
+                  "ignored_files": ignored}
+        out[split] = write_split(records, out_dir, dataset=dataset, split=split,
+                                 classes=classes, options=opts, source=source)
+    return out
