@@ -38,7 +38,7 @@ def train_one_epoch(model: nn.Module, batches: Iterable[Any], optimizer: torch.o
 
     labeler None: cross-entropy on the observed labels (CE; trusted samples, if a
     ``trusted (N,) bool`` lookup is given, train on their clean label). Otherwise LCCN:
-    forward -> Gibbs-sample z (Eq. 7) -> ξ-clipped CE on z -> backward -> commit z.
+    forward -> Gibbs-sample z (Eq. 7) -> commit z (async) -> ξ-clipped CE on z -> backward.
     Returns loss, label_recovery (sampled z == clean where the clean label is known),
     changed (fraction of z that moved), staleness, gamma, step_time, sampler_time,
     sampler_share, sync_time, images_per_s, steps.
@@ -60,6 +60,11 @@ def train_one_epoch(model: nn.Module, batches: Iterable[Any], optimizer: torch.o
             tot["sampler"] += time.perf_counter() - t0 - stats.wait
             tot["sync"] += stats.wait
             target = z
+            # send the labels now: the round trip overlaps backward, the optimiser step and
+            # the next forward; the reply is awaited by the next sample()
+            t0 = time.perf_counter()
+            labeler.commit(idx[valid], z[valid], nxt.idx if nxt is not None else None)
+            tot["sync"] += time.perf_counter() - t0
             tot["changed"] += stats.changed
             tot["staleness"] += stats.staleness
             tot["gamma"] = stats.gamma
@@ -71,10 +76,6 @@ def train_one_epoch(model: nn.Module, batches: Iterable[Any], optimizer: torch.o
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        if labeler is not None:
-            t0 = time.perf_counter()
-            labeler.commit(idx[valid], z[valid], nxt.idx if nxt is not None else None)
-            tot["sync"] += time.perf_counter() - t0
         if after_step is not None:
             after_step()
         nvalid = int(valid.sum())
