@@ -1,0 +1,349 @@
+"""Training-step time with and without the confusion actor (small CNN, CIFAR-sized batches).
+
+Modes, each run through the real ``train_one_epoch`` and ``GibbsLabeler``:
+
+  ce          plain cross-entropy step (no sampler)
+  local       LCCN, ConfusionStore in this process
+  blocking    LCCN, store in a Ray actor; ``step`` waits for the reply (ray.get)
+  overlapped  LCCN, store in a Ray actor; ``step`` returns the ObjectRef and GibbsLabeler
+              resolves it just before sampling the next batch (train_one_epoch commits
+              after the optimizer step, so the round trip overlaps the next batch's
+              loading and forward pass)
+  overlapped-numpy  as overlapped, numpy arrays instead of torch tensors on the wire
+
+Reported per mode: step time, sampler time (Eq. 7 on the batch), sync time (time the step
+spends on the store: the call itself, or waiting for an overlapped reply), their share of
+the step, and the step time over the CE step. Each measurement is one ``train_one_epoch``
+over ``--steps`` batches, which includes its epoch-boundary prefetch and flush (two
+blocking round trips); modes are interleaved and, per mode, the repetition with the
+shortest step time is kept (other processes on a small shared machine only ever add time).
+"steady store ms/step" is the median time one step spends on the store away from the epoch
+boundaries: the whole call when blocking; submit + wait in ``resolve`` when overlapped.
+
+With ``--ray-workers 2`` two Ray actors (one torch thread each) train side by side against
+one store actor, as two Train workers would (no DDP gradient sync).
+
+    python benchmarks/bench_step.py                      # K = 10 and K = 1000, in-process
+    python benchmarks/bench_step.py --ray-workers 2      # adds the two-worker run
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import platform
+import statistics
+import sys
+import tarfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import ray
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from pipeline.config import LCCNConfig  # noqa: E402
+from pipeline.confusion_store import ConfusionStore, Sync  # noqa: E402
+from pipeline.lccn import GibbsLabeler  # noqa: E402
+from pipeline.loop import train_one_epoch  # noqa: E402
+from pipeline.models import build_model  # noqa: E402
+from pipeline.trainer import Batch  # noqa: E402
+from pipeline.warmup import smoothed_identity  # noqa: E402
+
+MODES = ("ce", "local", "blocking", "overlapped", "overlapped-numpy")
+WARMUP_STEPS = 8
+DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+class BlockingActorStore:
+    """The Store protocol over a Ray actor; every call waits for its reply.
+
+    ``per_step`` records, for each ``step``, the seconds the training loop spent on it
+    (the epoch-boundary ``sync`` is left out: it is a steady-state figure)."""
+
+    def __init__(self, actor) -> None:
+        self.actor = actor
+        self.per_step: list[float] = []
+
+    def sync(self, idx, *, since: int) -> Sync:
+        return ray.get(self.actor.sync.remote(idx, since=since))
+
+    def step(self, idx, z_new, next_idx, *, since: int, worker: str = "0", seq=None):
+        t0 = time.perf_counter()
+        reply = ray.get(self.actor.step.remote(idx, z_new, next_idx, since=since,
+                                               worker=worker, seq=seq))
+        self.per_step.append(time.perf_counter() - t0)
+        return reply
+
+
+class OverlappedActorStore(BlockingActorStore):
+    """``step`` returns the ObjectRef at once; GibbsLabeler calls ``resolve`` before it
+    samples the next batch. ``per_step`` = submit time + time blocked in ``resolve``."""
+
+    def __init__(self, actor) -> None:
+        super().__init__(actor)
+        self._submit = 0.0
+
+    def step(self, idx, z_new, next_idx, *, since: int, worker: str = "0", seq=None):
+        t0 = time.perf_counter()
+        ref = self.actor.step.remote(idx, z_new, next_idx, since=since, worker=worker, seq=seq)
+        self._submit = time.perf_counter() - t0
+        return ref
+
+    def resolve(self, ref) -> Sync:
+        t0 = time.perf_counter()
+        reply = ray.get(ref)
+        self.per_step.append(self._submit + time.perf_counter() - t0)
+        return reply
+
+
+class NumpyWireStore(ConfusionStore):
+    """The store behind a numpy wire format (as in bench_actor.py): ``step_np`` takes and
+    returns numpy arrays, which Ray pickles ~20x faster than small torch tensors."""
+
+    def step_np(self, idx, z_new, next_idx, *, since: int, worker: str, seq: int):
+        s = self.step(torch.from_numpy(idx), torch.from_numpy(z_new),
+                      torch.from_numpy(next_idx), since=since, worker=worker, seq=seq)
+        return (s.z.numpy(), s.version, s.delta_obs.numpy(), s.delta_old.numpy(),
+                s.delta_new.numpy(), None if s.counts is None else s.counts.numpy())
+
+
+class OverlappedNumpyStore(OverlappedActorStore):
+    """Overlapped, numpy arrays on the wire (the actor must be a NumpyWireStore)."""
+
+    def step(self, idx, z_new, next_idx, *, since: int, worker: str = "0", seq=None):
+        t0 = time.perf_counter()
+        ref = self.actor.step_np.remote(idx.numpy(), z_new.numpy(), next_idx.numpy(),
+                                        since=since, worker=worker, seq=seq)
+        self._submit = time.perf_counter() - t0
+        return ref
+
+    def resolve(self, ref) -> Sync:
+        t0 = time.perf_counter()
+        z, version, obs, old, new, counts = ray.get(ref)
+        # Ray hands numpy arrays back read-only: copy (a few hundred bytes) into tensors
+        reply = Sync(torch.tensor(z), version, torch.tensor(obs), torch.tensor(old),
+                     torch.tensor(new), None if counts is None else torch.tensor(counts))
+        self.per_step.append(self._submit + time.perf_counter() - t0)
+        return reply
+
+
+@dataclass(frozen=True)
+class Setup:
+    num_classes: int
+    num_samples: int
+    batch: int
+    steps: int
+    seed: int
+
+
+def load_images(kind: str, data: Path, count: int, *, seed: int) -> torch.Tensor:
+    """``(count, 3, 32, 32)`` float: standard-normal noise, or the first CIFAR-10 training
+    JPEGs of ``data/cifar10-jpeg.tar.gz`` scaled to [0, 1] and normalised per channel."""
+    if kind == "random":
+        return torch.randn(count, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
+    from PIL import Image
+    path = data / "cifar10-jpeg.tar.gz"
+    if not path.is_file():
+        raise FileNotFoundError(f"--inputs cifar needs {path}; pass --data")
+    out = []
+    with tarfile.open(path) as tar:
+        for member in tar:
+            if member.isfile() and "/train/" in f"/{member.name}" and member.name.endswith(".jpg"):
+                img = Image.open(io.BytesIO(tar.extractfile(member).read())).convert("RGB")
+                out.append(torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()))
+                if len(out) == count:
+                    break
+    x = torch.stack(out).permute(0, 3, 1, 2).float() / 255
+    return (x - x.mean((0, 2, 3), keepdim=True)) / x.std((0, 2, 3), keepdim=True)
+
+
+def make_labels(setup: Setup) -> torch.Tensor:
+    g = torch.Generator().manual_seed(setup.seed)
+    return torch.randint(0, setup.num_classes, (setup.num_samples,), generator=g)
+
+
+class Runner:
+    """A model, optimizer, batches and one labeler per LCCN mode; ``run(mode)`` trains
+    ``setup.steps`` batches and returns train_one_epoch's dict."""
+
+    def __init__(self, setup: Setup, images: torch.Tensor, *, store_actor=None,
+                 worker: int = 0, threads: int | None = None) -> None:
+        if threads is not None:
+            torch.set_num_threads(threads)
+        self.setup = setup
+        k = setup.num_classes
+        self.model = build_model("small_cnn", k, seed=setup.seed)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
+        self.images = images
+        self.observed = make_labels(setup)
+        self.gen = torch.Generator().manual_seed(setup.seed + worker)
+        self.worker = worker
+        self.labelers: dict[str, GibbsLabeler] = {}
+        cfg = LCCNConfig()
+        phi = smoothed_identity(k, k)
+        max_steps = 10 * setup.steps
+        if store_actor is None:  # in-process: the local store only
+            store = ConfusionStore(self.observed, self.observed.clone(), k, k)
+            self.labelers["local"] = GibbsLabeler(
+                cfg, store, store.counts, store.version, phi_init=phi, max_steps=max_steps,
+                generator=torch.Generator().manual_seed(1), worker=str(worker))
+        if store_actor is not None:
+            first = ray.get(store_actor.sync.remote(torch.zeros(0, dtype=torch.int64), since=-1))
+            for mode, proxy in (("blocking", BlockingActorStore(store_actor)),
+                                ("overlapped", OverlappedActorStore(store_actor)),
+                                ("overlapped-numpy", OverlappedNumpyStore(store_actor))):
+                self.labelers[mode] = GibbsLabeler(
+                    cfg, proxy, first.counts, first.version, phi_init=phi, max_steps=max_steps,
+                    generator=torch.Generator().manual_seed(2 + worker),
+                    # one id per labeler: the store drops a commit whose seq is not newer
+                    # than the last one seen under the same id (its retry protection)
+                    worker=f"{worker}-{mode}")
+
+    def batches(self, steps: int | None = None):
+        s = self.setup
+        idx_all = torch.randperm(s.num_samples, generator=self.gen)
+        pool = self.images.shape[0] // s.batch
+        for i in range(s.steps if steps is None else steps):
+            idx = idx_all[i * s.batch:(i + 1) * s.batch]
+            p = i % pool
+            yield Batch(self.images[p * s.batch:(p + 1) * s.batch], self.observed[idx], idx,
+                        self.observed[idx], torch.ones(s.batch, dtype=torch.bool))
+
+    def run(self, mode: str, steps: int | None = None) -> dict[str, float]:
+        labeler = None if mode == "ce" else self.labelers[mode]
+        proxy = getattr(labeler, "store", None)
+        if hasattr(proxy, "per_step"):
+            proxy.per_step.clear()
+        out = train_one_epoch(self.model, self.batches(steps), self.opt, labeler=labeler,
+                              num_classes=self.setup.num_classes)
+        calls = getattr(proxy, "per_step", None)
+        out["store_p50"] = statistics.median(calls) if calls else float("nan")
+        return out
+
+
+@ray.remote(num_cpus=1)
+class RayWorker:
+    """One simulated Train worker (own process, one torch thread)."""
+
+    def __init__(self, setup: Setup, images: torch.Tensor, store_actor, worker: int) -> None:
+        self.runner = Runner(setup, images, store_actor=store_actor, worker=worker, threads=1)
+
+    def run(self, mode: str, steps: int | None = None) -> dict[str, float]:
+        return self.runner.run(mode, steps)
+
+
+def summarise(results: dict[str, list[dict]]) -> dict[str, dict[str, float]]:
+    """Per mode, the repetition with the shortest step time; overhead vs CE."""
+    out = {mode: dict(min(reps, key=lambda r: r["step_time"])) for mode, reps in results.items()}
+    ce = out.get("ce", {}).get("step_time")
+    for m in out.values():
+        m["overhead"] = (m["step_time"] / ce - 1) if ce else float("nan")
+    return out
+
+
+def fmt(title: str, summary: dict[str, dict[str, float]]) -> str:
+    lines = [f"**{title}**", "",
+             "| mode | step ms | sampler ms | sync ms | (sampler + sync) / step | "
+             "steady store ms/step (p50) | steady share | step vs CE | staleness |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for mode, m in summary.items():
+        p50 = m["store_p50"]
+        steady = "-" if p50 != p50 else f"{1e3 * p50:.2f}"
+        share = ("-" if p50 != p50 else
+                 f"{100 * (m['sampler_time'] + p50) / m['step_time']:.1f}%")
+        lines.append(f"| {mode} | {1e3 * m['step_time']:.1f} | {1e3 * m['sampler_time']:.2f} | "
+                     f"{1e3 * m['sync_time']:.2f} | {100 * m['sampler_share']:.1f}% | "
+                     f"{steady} | {share} | {100 * m['overhead']:+.1f}% | "
+                     f"{m['staleness']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    p.add_argument("--inputs", choices=("random", "cifar"), default="random")
+    p.add_argument("--classes", type=int, nargs="+", default=[10, 1000])
+    p.add_argument("--samples", type=int, nargs="+", default=[50_000, 100_000],
+                   help="N per entry of --classes")
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--steps", type=int, default=40, help="batches per measurement")
+    p.add_argument("--reps", type=int, default=4,
+                   help="measurements per mode (the fastest is kept)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads in this process (1 leaves a core to Ray and the actor)")
+    p.add_argument("--ray-workers", type=int, default=0,
+                   help="also run blocking/overlapped with this many Ray worker actors")
+    p.add_argument("--num-cpus", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None, help="write the markdown tables here")
+    args = p.parse_args(argv)
+    if len(args.samples) != len(args.classes):
+        raise SystemExit(f"--samples needs one value per --classes entry, got {args.samples} "
+                         f"for {args.classes}")
+
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+    images = load_images(args.inputs, args.data, 8 * args.batch, seed=args.seed)
+    ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
+    tables = []
+    try:
+        for k, n in zip(args.classes, args.samples):
+            setup = Setup(k, n, args.batch, args.steps, args.seed)
+            observed = make_labels(setup)
+            actor = ray.remote(NumpyWireStore).options(num_cpus=0).remote(
+                observed, observed.clone(), k, k, log_capacity=8192)
+            local = Runner(setup, images)
+            remote = Runner(setup, images, store_actor=actor)
+            remote.model, remote.opt = local.model, local.opt   # one model for all modes
+            run = {"ce": local.run, "local": local.run, "blocking": remote.run,
+                   "overlapped": remote.run, "overlapped-numpy": remote.run}
+            results: dict[str, list[dict]] = {m: [] for m in MODES}
+            for rep in range(args.reps + 1):          # rep 0 warms up and is dropped
+                for mode in MODES:
+                    r = run[mode](mode, None if rep else WARMUP_STEPS)
+                    if rep:
+                        results[mode].append(r)
+            title = (f"K = {k}, N = {n}, batch {args.batch}, {args.steps} steps x "
+                     f"{args.reps} reps, in-process, torch threads {torch.get_num_threads()}")
+            tables.append(fmt(title, summarise(results)))
+            print(tables[-1] + "\n", flush=True)
+
+            if args.ray_workers:
+                workers = [RayWorker.remote(setup, images, actor, 1 + i)   # 0 = this process
+                           for i in range(args.ray_workers)]
+                results = {m: [] for m in ("ce", "blocking", "overlapped", "overlapped-numpy")}
+                for rep in range(args.reps + 1):
+                    for mode in results:
+                        outs = ray.get([w.run.remote(mode, None if rep else WARMUP_STEPS)
+                                        for w in workers])
+                        if rep:
+                            results[mode].extend(outs)
+                for w in workers:
+                    ray.kill(w)
+                title = (f"K = {k}: {args.ray_workers} Ray worker actors (1 torch thread each) "
+                         f"sharing one store actor, per-worker figures")
+                tables.append(fmt(title, summarise(results)))
+                print(tables[-1] + "\n", flush=True)
+            ray.get(actor.check.remote())            # C still equals the recount of z
+            dups = ray.get(actor.__ray_call__.remote(lambda store: store.duplicates))
+            if dups:
+                raise RuntimeError(f"the store dropped {dups} commits as duplicates: two "
+                                   f"labelers shared a worker id")
+            ray.kill(actor)
+    finally:
+        ray.shutdown()
+    footer = (f"machine: {platform.machine()}, {os.cpu_count()} cores, torch "
+              f"{torch.__version__}, ray {ray.__version__}; inputs {args.inputs}; load average "
+              f"{load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} after")
+    print(footer)
+    if args.out is not None:
+        args.out.write_text("\n\n".join(tables) + "\n\n" + footer + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,308 @@
+"""pipeline.tracking and pipeline.plots against real MLflow stores: a local sqlite file and a
+real ``mlflow server`` (sqlite backend, proxied artifacts) started by this module.
+
+The server boots in the background (~25 s on 2 cores: DB migrations, then uvicorn) while
+the pure and sqlite tests run; the server tests wait for its /health.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from pipeline import plots
+from pipeline.config import LCCNConfig, OptimConfig, RunConfig
+from pipeline.tracking import Tracker, default_tracking_uri, flatten_params, write_transition_csv
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
+           "truck"]
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) from the IHDR chunk; asserts the PNG signature."""
+    data = Path(path).read_bytes()
+    assert data[:8] == PNG_MAGIC, f"{path} is not a PNG"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A real ``mlflow server`` subprocess in its own process group."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.port = _free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.artifacts = root / "artifacts"
+        self.log_path = root / "server.log"
+        cmd = [sys.executable, "-m", "mlflow", "server",
+               "--backend-store-uri", f"sqlite:///{root / 'db.sqlite'}",
+               "--serve-artifacts", "--artifacts-destination", str(self.artifacts),
+               "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1"]
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+        env.pop("MLFLOW_TRACKING_URI", None)
+        self._log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.ready = False
+
+    def wait(self, timeout: float = 90.0) -> str:
+        deadline = time.monotonic() + timeout
+        while not self.ready:
+            if self.proc.poll() is not None:
+                pytest.fail(f"mlflow server exited with {self.proc.returncode}:\n"
+                            f"{self.log_path.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as r:
+                    self.ready = r.status == 200
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"mlflow server not healthy after {timeout:.0f} s:\n"
+                                f"{self.log_path.read_text()[-3000:]}")
+                time.sleep(0.25)
+        return self.uri
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=15)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=5)
+        self._log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """Launched (not yet waited for) the first time any test asks for a tracking URI."""
+    srv = Server(tmp_path_factory.mktemp("mlflow-server"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def sqlite_run_dir(tmp_path_factory, server) -> Path:
+    """One local store per module (creating an MLflow database costs ~10 s of migrations)."""
+    return tmp_path_factory.mktemp("run")
+
+
+@pytest.fixture(params=["sqlite", "server"])
+def backend(request, sqlite_run_dir, server, monkeypatch):
+    """(tracking_uri, directory where the store keeps artifact files)."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    if request.param == "sqlite":
+        return default_tracking_uri(sqlite_run_dir), sqlite_run_dir / "mlartifacts"
+    return server.wait(), server.artifacts
+
+
+@pytest.fixture
+def run_config() -> RunConfig:
+    return RunConfig(optim=OptimConfig(epochs=12, milestones=(5, 8)),
+                     lccn=LCCNConfig(alpha=(0.5, 1.5), warmup_steps=40))
+
+
+@pytest.fixture
+def phi_star() -> torch.Tensor:
+    """An LCCN* transition (11, 10): rows sum to 1, last row the outlier."""
+    g = torch.Generator().manual_seed(3)
+    m = torch.rand(11, 10, generator=g, dtype=torch.float64)
+    m = m + 4 * torch.eye(11, 10, dtype=torch.float64)
+    return m / m.sum(1, keepdim=True)
+
+
+# -- pure pieces ------------------------------------------------------------------------------
+
+
+def test_flatten_params_nested_dataclass(run_config):
+    flat = flatten_params(dataclasses.asdict(run_config))
+    assert flat == flatten_params(run_config)
+    assert flat["lccn.alpha"] == "(0.5, 1.5)"
+    assert flat["optim.milestones"] == "(5, 8)"
+    assert flat["optim.epochs"] == "12"
+    assert flat["model.name"] == "small_cnn"
+    assert flat["lccn.anneal"] == "False"
+    assert "lccn" not in flat and all(isinstance(v, str) for v in flat.values())
+    assert flatten_params({"a": {"b": {"c": None}}, "e": {}}) == {"a.b.c": "None", "e": "{}"}
+    assert len(flatten_params({"long": "x" * 10_000})["long"]) == 6000
+    with pytest.raises(TypeError, match="dict or a dataclass"):
+        flatten_params([1, 2])
+
+
+def test_default_tracking_uri(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert default_tracking_uri("runs/a") == f"sqlite:///{tmp_path.resolve()}/runs/a/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5999")
+    assert default_tracking_uri("runs/a") == "http://127.0.0.1:5999"
+
+
+def test_heatmap_panels_and_scale(phi_star):
+    fig = plots.transition_heatmap(phi_star, truth=np.eye(10), class_names=CLASSES,
+                                   log_scale=True)
+    assert type(fig.canvas).__name__ == "FigureCanvasAgg"   # no pyplot, no GUI backend
+    images = [ax.images[0] for ax in fig.axes if ax.images]
+    assert len(images) == 2                       # learned and truth side by side
+    assert type(images[0].norm).__name__ == "LogNorm"
+    assert images[0].get_array().shape == (11, 10) and images[1].get_array().shape == (10, 10)
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()][-1] == "outlier"
+    single = plots.transition_heatmap(phi_star)
+    assert len([ax for ax in single.axes if ax.images]) == 1
+    big = plots.transition_heatmap(torch.full((50, 50), 0.02))
+    assert len(big.axes[0].get_xticklabels()) < 50   # no per-class ticks at K = 50
+    with pytest.raises(ValueError, match="class names"):
+        plots.transition_heatmap(phi_star, class_names=CLASSES[:9])
+    with pytest.raises(ValueError, match="truth has shape"):
+        plots.transition_heatmap(phi_star, truth=np.eye(9))
+    with pytest.raises(ValueError, match="non-finite"):
+        plots.transition_heatmap(torch.full((3, 3), float("nan")))
+
+
+def test_curves_skip_nonfinite():
+    hist = [{"epoch": 0, "test_top1": 0.2, "transition_error": float("nan")},
+            {"epoch": 1, "test_top1": 0.4, "transition_error": 0.1},
+            {"epoch": 2, "test_top1": 0.5}]
+    fig = plots.curves(hist, keys=("test_top1", "transition_error", "label_recovery"))
+    lines = [ax.lines for ax in fig.axes]
+    assert list(lines[0][0].get_xdata()) == [0.0, 1.0, 2.0]
+    assert list(lines[1][0].get_ydata()) == [0.1]
+    assert len(lines[2]) == 0                     # key never present: empty panel
+
+
+def test_transition_csv_roundtrip(tmp_path, phi_star):
+    path = write_transition_csv(tmp_path / "t.csv", phi_star, class_names=CLASSES)
+    rows = list(csv.reader(path.open()))
+    assert rows[0] == ["latent\\observed", *CLASSES]
+    assert [r[0] for r in rows[1:]] == [*CLASSES, "outlier"]
+    np.testing.assert_array_equal(np.array([[float(v) for v in r[1:]] for r in rows[1:]]),
+                                  phi_star.numpy())
+
+
+# -- against real stores -----------------------------------------------------------------------
+
+
+def _history_steps(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+def test_run_lifecycle(backend, run_config, phi_star, tmp_path):
+    uri, artifact_store = backend
+    tracker = Tracker(tracking_uri=uri, experiment="lccn-test", run_name="cifar10-sym50")
+    run_id = tracker.start(dataclasses.asdict(run_config))
+    client = MlflowClient(tracking_uri=uri)
+
+    params = client.get_run(run_id).data.params
+    assert params == flatten_params(run_config)
+    assert params["lccn.alpha"] == "(0.5, 1.5)" and params["lccn.warmup_steps"] == "40"
+
+    # metrics: one log_batch per call, non-finite values dropped and counted
+    batches = []
+    real_log_batch = tracker.client.log_batch
+    tracker.client.log_batch = lambda *a, **kw: (batches.append(kw), real_log_batch(*a, **kw))[1]
+    tracker.log_metrics({"loss": 1.5, "test_top1": 0.3, "bad": float("nan"),
+                         "worse": float("inf")}, step=0)
+    tracker.log_metrics({"loss": 1.25, "test_top1": 0.4, "bad": float("nan")}, step=1)
+    tracker.client.log_batch = real_log_batch
+    assert len(batches) == 2 and [len(b["metrics"]) for b in batches] == [2, 2]
+    assert tracker.dropped == {"bad": 2, "worse": 1}
+    assert _history_steps(client, run_id, "loss") == [(0, 1.5), (1, 1.25)]
+    assert client.get_metric_history(run_id, "bad") == []
+    with pytest.raises(TypeError, match="'note' at step 2"):
+        tracker.log_metrics({"note": "high"}, step=2)
+
+    # figures
+    tracker.log_transition(phi_star, epoch=3, truth=np.eye(10), class_names=CLASSES,
+                           log_scale=True)
+    tracker.log_transition(phi_star, epoch=4, class_names=CLASSES)
+    tracker.log_curves([{"epoch": 0, "test_top1": 0.3, "label_recovery": 0.6},
+                        {"epoch": 1, "test_top1": 0.4, "label_recovery": 0.7}])
+
+    # final transition and checkpoint
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "sub").mkdir(parents=True)
+    (ckpt / "model.pt").write_bytes(bytes(range(256)) * 8)
+    (ckpt / "sub" / "store.json").write_text('{"version": 7}')
+    tracker.log_final(phi_star, checkpoint_dir=ckpt, class_names=CLASSES)
+    tracker.end()
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["nonfinite_metrics_dropped"] == "bad=2,worse=1"
+
+    dl = tmp_path / "download"
+    dl.mkdir()
+
+    def fetch(path: str) -> Path:
+        return Path(client.download_artifacts(run_id, path, str(dl)))
+
+    w3, h3 = png_size(fetch("transitions/phi_epoch_003.png"))
+    w4, h4 = png_size(fetch("transitions/phi_epoch_004.png"))
+    assert w3 > 1.5 * w4 and h3 == h4             # the truth panel sits beside the learned one
+    png_size(fetch("curves.png"))
+    rows = list(csv.reader(fetch("transition.csv").open()))
+    assert rows[0][1:] == CLASSES and rows[-1][0] == "outlier"
+    np.testing.assert_array_equal(np.array([[float(v) for v in r[1:]] for r in rows[1:]]),
+                                  phi_star.numpy())
+    got = fetch("checkpoint")
+    assert (got / "model.pt").read_bytes() == (ckpt / "model.pt").read_bytes()
+    assert (got / "sub" / "store.json").read_text() == '{"version": 7}'
+    # the files went where the store keeps artifacts (the server: through its proxy)
+    assert list(artifact_store.rglob("phi_epoch_003.png")), f"nothing under {artifact_store}"
+
+    # resume: the same run continues, the history grows, no second run appears
+    changed = dataclasses.replace(run_config, seed=5)
+    resumed = Tracker(tracking_uri=uri, experiment="lccn-test", run_name="ignored", run_id=run_id)
+    assert resumed.start({**dataclasses.asdict(changed), "resume": {"count": 1}}) == run_id
+    assert client.get_run(run_id).info.status == "RUNNING"
+    resumed.log_metrics({"loss": 0.75}, step=2)
+    resumed.end()
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["resume.count"] == "1"
+    assert run.data.params["seed"] == "0" and run.data.tags["resume.changed.seed"] == "5"
+    assert _history_steps(client, run_id, "loss") == [(0, 1.5), (1, 1.25), (2, 0.75)]
+    assert [r.info.run_id for r in client.search_runs([tracker.experiment_id])] == [run_id]
+
+    # a second run lands in the same experiment
+    other = Tracker(tracking_uri=uri, experiment="lccn-test", run_name="second")
+    other.start({"method": "ce"})
+    assert other.experiment_id == tracker.experiment_id and other.run_id != run_id
+    other.end("KILLED")
+    assert client.get_run(other.run_id).info.status == "KILLED"
+
+
+def test_misuse_is_reported(sqlite_run_dir):
+    uri = default_tracking_uri(sqlite_run_dir)
+    t = Tracker(tracking_uri=uri, experiment="lccn-misuse", run_name="x")
+    with pytest.raises(RuntimeError, match="start"):
+        t.log_metrics({"a": 1.0}, step=0)
+    t.start({})
+    with pytest.raises(ValueError, match="FINISHED, FAILED or KILLED"):
+        t.end("DONE")
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        t.log_final(torch.eye(2), checkpoint_dir="/nonexistent/ckpt")
+    t.end()
+    with pytest.raises(Exception, match="(?i)run.*not found|no run|does not exist"):
+        Tracker(tracking_uri=uri, experiment="lccn-misuse", run_name="x",
+                run_id="0" * 32).start({})
