@@ -169,6 +169,29 @@ class ConfusionStore:
                 "k_latent": self.k_latent, "num_classes": self.num_classes,
                 "version": self.version, "last_seq": dict(self.last_seq)}
 
+    def load_state_dict(self, state: dict) -> None:
+        """Go back to a checkpointed ``state`` in place (same split: same ``observed`` and
+        ``counted``): restores ``z``, C, ``version`` and ``last_seq``; everything committed
+        after that state is discarded, and so is the delta log (a worker syncing from a
+        version it saw before gets the full counts instead of deltas)."""
+        if not (torch.equal(torch.as_tensor(state["observed"]), self.observed)
+                and torch.equal(torch.as_tensor(state["counted"]), self.counted)):
+            raise ValueError("checkpointed store state is for another split: its observed "
+                             "labels or counted mask differ from this store's")
+        if (int(state["k_latent"]), int(state["num_classes"])) != (self.k_latent, self.num_classes):
+            raise ValueError(f"checkpointed store state has C of shape ({state['k_latent']}, "
+                             f"{state['num_classes']}), this store ({self.k_latent}, "
+                             f"{self.num_classes})")
+        z = torch.as_tensor(state["z"], dtype=torch.int64).clone()
+        counts = count_matrix(z, self.observed, self.k_latent, self.num_classes,
+                              counted=self.counted)
+        if not torch.equal(counts, torch.as_tensor(state["counts"])):
+            raise ValueError("checkpointed C does not equal the recount of its z: corrupt state")
+        self.z, self.counts = z, counts
+        self.version = int(state["version"])
+        self.last_seq = dict(state["last_seq"])
+        self._log.clear()
+
     @classmethod
     def from_state_dict(cls, state: dict, *, log_capacity: int = 4096) -> "ConfusionStore":
         store = cls(state["observed"], state["z"], state["k_latent"], state["num_classes"],

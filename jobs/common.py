@@ -1,0 +1,422 @@
+"""Shared plumbing of the Ray jobs in ``jobs/``: dataset presets, the argument parser, the
+configs built from it, tiny generated shards for ``--smoke-test``, and the driver that runs
+a job (:func:`run_job`).
+
+Every job runs the same two ways::
+
+    python jobs/<name>.py ...                               # starts a local Ray itself
+    ray job submit --working-dir . -- python jobs/<name>.py ...   # on a running cluster
+
+(The driver connects to ``RAY_ADDRESS`` when it is set, which ``ray job submit`` does,
+else starts a local Ray instance.) A job re-submitted with the same ``--run-name`` and
+``--run-dir`` resumes from its last checkpoint. Under ``ray job submit`` the working
+directory is a per-job copy: give an absolute ``--run-dir`` (the default, ``$LCCN_RUNS`` or
+``~/lccn_runs/<job>``, is absolute) so that a resubmission finds its run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipeline.config import LCCNConfig, ModelConfig, OptimConfig, RunConfig  # noqa: E402
+from pipeline.dist_worker import DistConfig  # noqa: E402
+from pipeline.labels import LabelView  # noqa: E402
+from pipeline.manifest import Manifest  # noqa: E402
+from pipeline.noise import format_transition  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A dataset's training recipe from the paper (Sec. 5) and the shard/transform preset.
+
+    lr_values: learning rate per phase between ``milestones`` (empty: ``lr`` decayed by
+    ``lr_decay`` at each milestone). ``epochs`` counts every epoch, the first
+    ``pretrain_epochs`` of them cross-entropy (Algorithm 3, line 1).
+    """
+
+    name: str
+    model: str
+    transform: str
+    batch_size: int
+    lr: float
+    epochs: int
+    pretrain_epochs: int
+    weight_decay: float
+    warmup_steps: int
+    warmup: str = "eq8"
+    anneal: bool = False
+    milestones: tuple[int, ...] = ()
+    lr_values: tuple[float, ...] = ()
+    lr_decay: float = 0.1
+    alpha: float = 1.0
+    pretrained: bool = False
+    in_channels: int = 3
+    note: str = ""
+
+
+PRESETS: dict[str, Preset] = {p.name: p for p in (
+    # PreAct ResNet-32, SGD 0.9, wd 5e-4, batch 128, 120 epochs, lr 0.5 / 0.1 / 0.01 split at
+    # epochs 40 and 80; warm-up 20,000 steps with Eq. 8 (CIFAR-10) or the identity
+    # (CIFAR-100); alpha 1. Our choice: the first lr phase (40 epochs) is the CE pre-training.
+    Preset("cifar10", "preact_resnet32", "cifar", 128, 0.5, 120, 40, 5e-4, 20_000, "eq8",
+           milestones=(40, 80), lr_values=(0.5, 0.1, 0.01),
+           note="the first 40 epochs (lr 0.5) are the CE pre-training"),
+    Preset("cifar100", "preact_resnet32", "cifar", 128, 0.5, 120, 40, 5e-4, 20_000, "identity",
+           milestones=(40, 80), lr_values=(0.5, 0.1, 0.01),
+           note="the first 40 epochs (lr 0.5) are the CE pre-training"),
+    # ResNet-50 (ImageNet weights), batch 32, lr 0.001 fixed, 5 epochs, wd 1e-3, warm-up
+    # 40,000 steps, power annealing on. Our choice: 1 of the 5 epochs is CE pre-training.
+    Preset("clothing1m", "resnet50", "clothing1m", 32, 0.001, 5, 1, 1e-3, 40_000, "eq8",
+           anneal=True, pretrained=True, note="1 of the 5 epochs is CE pre-training"),
+    # Inception-ResNet-v2, batch 64, lr 0.01 divided by 10 after 40 epochs, annealing on.
+    # The paper gives neither the epoch count nor wd nor warm-up: ours are 80, 5e-4, 40,000.
+    Preset("webvision", "inception_resnet_v2", "webvision", 64, 0.01, 80, 10, 5e-4, 40_000,
+           "eq8", anneal=True, milestones=(40,),
+           note="80 epochs (10 CE), wd 5e-4 and 40,000 warm-up steps are our choices"),
+    # the quickstart: scikit-learn digits, small CNN on the CPU
+    Preset("digits", "small_cnn", "digits", 32, 0.1, 30, 8, 5e-4, 0, "eq8",
+           milestones=(20,), in_channels=1),
+)}
+
+
+def default_run_dir(job: str) -> Path:
+    return Path(os.environ.get("LCCN_RUNS", Path.home() / "lccn_runs")).expanduser().resolve() / job
+
+
+def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> None:
+    """Options every job shares; recipe options default to ``preset`` (None = preset's)."""
+    g = p.add_argument_group("run")
+    g.add_argument("--run-name", default=None,
+                   help="Ray Train / MLflow run name (default: <job>-<method>); the same name "
+                        "and run dir again resumes the run from its last checkpoint")
+    g.add_argument("--run-dir", type=Path, default=default_run_dir(job),
+                   help="absolute run directory: Ray storage <run-dir>/train, MLflow store "
+                        "<run-dir>/mlflow.db, smoke data (default $LCCN_RUNS or ~/lccn_runs/<job>)")
+    g.add_argument("--num-workers", type=int, default=2, help="Ray Train workers (DDP ranks)")
+    g.add_argument("--gpu", action="store_true", help="one GPU per worker (nccl, bf16 autocast)")
+    g.add_argument("--cpus-per-worker", type=float, default=1.0)
+    g.add_argument("--loader-workers", type=int, default=2,
+                   help="DataLoader processes per worker (0 = read in the worker)")
+    g.add_argument("--shuffle-buffer", type=int, default=1000)
+    g.add_argument("--checkpoint-every", type=int, default=0,
+                   help="also checkpoint every N steps inside an epoch (0: end of epoch only)")
+    g.add_argument("--max-failures", type=int, default=1,
+                   help="worker-group restarts from the last checkpoint before giving up")
+    g.add_argument("--tracking-uri", default=None,
+                   help="MLflow tracking URI (default $MLFLOW_TRACKING_URI, else "
+                        "sqlite:///<run-dir>/mlflow.db)")
+    g.add_argument("--no-tracking", action="store_true", help="do not log to MLflow")
+    g.add_argument("--experiment", default=f"lccn-{job}", help="MLflow experiment")
+    g.add_argument("--smoke-test", action="store_true",
+                   help="2 CPU workers on tiny shards generated under the run dir, small CNN, "
+                        "a few steps")
+    g.add_argument("--inject-failure", default="", help=argparse.SUPPRESS)  # tests only
+
+    m = p.add_argument_group(f"method and recipe (defaults: the paper's {preset.name} recipe)")
+    m.add_argument("--method", choices=("lccn", "ce"), default="lccn")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--model", default=preset.model)
+    m.add_argument("--pretrained", action=argparse.BooleanOptionalAction, default=preset.pretrained,
+                   help="ImageNet weights for the backbone (resnet50 only)")
+    m.add_argument("--epochs", type=int, default=preset.epochs, help="total epochs, CE included")
+    m.add_argument("--pretrain-epochs", type=int, default=preset.pretrain_epochs,
+                   help="CE epochs before LCCN starts")
+    m.add_argument("--batch-size", type=int, default=preset.batch_size,
+                   help="global batch (each worker takes batch-size / num-workers)")
+    m.add_argument("--lr", type=float, default=preset.lr)
+    m.add_argument("--milestones", type=int, nargs="*", default=list(preset.milestones))
+    m.add_argument("--lr-values", type=float, nargs="*", default=list(preset.lr_values),
+                   help="lr of each phase between milestones (empty: lr x lr-decay per milestone)")
+    m.add_argument("--lr-decay", type=float, default=preset.lr_decay)
+    m.add_argument("--weight-decay", type=float, default=preset.weight_decay)
+    m.add_argument("--alpha", type=float, default=preset.alpha, help="Dirichlet alpha")
+    m.add_argument("--warmup-steps", type=int, default=preset.warmup_steps,
+                   help="LCCN steps sampling with phi_init (delta)")
+    m.add_argument("--warmup", choices=("eq8", "identity"), default=preset.warmup)
+    m.add_argument("--anneal", action=argparse.BooleanOptionalAction, default=preset.anneal,
+                   help="power annealing max(exp(-0.8 step/max_step), 0.5)")
+    m.add_argument("--outlier", action="store_true", help="LCCN*: K+1 latent classes")
+    m.add_argument("--trusted-fraction", type=float, default=0.0,
+                   help="LCCN+: this fraction of samples with a clean label is trusted")
+
+
+def add_data_args(p: argparse.ArgumentParser, *, noise_default: str) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument("--data", type=Path, default=None,
+                   help="shard root with one folder per split (from `python -m shards`)")
+    g.add_argument("--train-split", default="train")
+    g.add_argument("--test-split", default="test")
+    g.add_argument("--train-shards", default=None,
+                   help="training split folder or base URL (overrides --data/--train-split)")
+    g.add_argument("--test-shards", default=None, help="test split folder or base URL")
+    g.add_argument("--noise", default=noise_default,
+                   help=f"label view spec as JSON (pipeline/noise.py; default {noise_default})")
+    g.add_argument("--label-view", type=Path, default=None,
+                   help="a saved label view (.npz) instead of --noise (needed for URL sources)")
+
+
+def run_config(args: argparse.Namespace) -> RunConfig:
+    """The RunConfig of the parsed arguments."""
+    anneal = bool(args.anneal)
+    return RunConfig(
+        method=args.method, seed=args.seed,
+        model=ModelConfig(args.model, in_channels=args.in_channels),
+        optim=OptimConfig(epochs=args.epochs, pretrain_epochs=args.pretrain_epochs,
+                          batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
+                          milestones=tuple(args.milestones), lr_decay=args.lr_decay),
+        lccn=LCCNConfig(alpha=args.alpha, warmup_steps=args.warmup_steps, warmup=args.warmup,
+                        anneal=anneal, outlier=args.outlier,
+                        use_trusted=args.trusted_fraction > 0))
+
+
+def apply_smoke(args: argparse.Namespace) -> None:
+    """--smoke-test: 2 CPU workers, small CNN, 3 epochs (1 CE), tiny batches, no loader
+    processes, a mid-epoch checkpoint; every choice here is printed in the job's log."""
+    args.num_workers, args.gpu, args.loader_workers = 2, False, 0
+    args.model, args.pretrained = "small_cnn", False
+    args.epochs, args.pretrain_epochs = 3, 1
+    args.batch_size = 64
+    args.milestones, args.lr_values = [], []
+    args.lr = 0.05
+    args.warmup_steps = min(args.warmup_steps, 2)
+    args.shuffle_buffer = 64
+    args.checkpoint_every = args.checkpoint_every or 10
+
+
+def dist_config(args: argparse.Namespace, *, run_name: str, train: str, test: str | None,
+                class_names: list[str], transform: str) -> DistConfig:
+    from pipeline.tracking import default_tracking_uri
+
+    run_dir = args.run_dir.expanduser().resolve()
+    tracking = None if args.no_tracking else (args.tracking_uri or default_tracking_uri(run_dir))
+    return DistConfig(
+        run_name=run_name, run_dir=str(run_dir), train_source=train, test_source=test,
+        num_workers=args.num_workers, use_gpu=args.gpu, loader_workers=args.loader_workers,
+        shuffle_buffer=args.shuffle_buffer, preset=transform,
+        checkpoint_every=args.checkpoint_every, lr_values=tuple(args.lr_values),
+        pretrained=args.pretrained, tracking_uri=tracking, experiment=args.experiment,
+        class_names=tuple(class_names), inject_failure=args.inject_failure)
+
+
+def _source(path_or_url: str | os.PathLike | None) -> str | None:
+    if path_or_url is None:
+        return None
+    s = str(path_or_url)
+    return s if "://" in s else str(Path(s).expanduser().resolve())
+
+
+def resolve_sources(args: argparse.Namespace) -> tuple[str, str | None]:
+    train = args.train_shards or (args.data / args.train_split if args.data else None)
+    test = args.test_shards or (args.data / args.test_split if args.data else None)
+    if train is None:
+        raise SystemExit("error: give --data DIR (or --train-shards), or run --smoke-test")
+    if test is not None and "://" not in str(test) and not Path(test).is_dir():
+        print(f"note: no test split at {test}; training without evaluation", flush=True)
+        test = None
+    return _source(train), _source(test)
+
+
+def load_view(args: argparse.Namespace, train: str) -> LabelView:
+    """--label-view, else the --noise spec applied to the training split's labels."""
+    if args.label_view is not None:
+        return LabelView.load(args.label_view)
+    if "://" in train:
+        raise SystemExit("error: a remote training split needs --label-view (a saved .npz; "
+                         "build it with `python -m shards.labelview`)")
+    from shards.labelview import build_view
+
+    try:
+        spec = json.loads(args.noise)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"error: --noise is not valid JSON ({e}): {args.noise!r}") from None
+    if args.trusted_fraction > 0:
+        spec["trusted"] = {"fraction": args.trusted_fraction, "seed": args.seed}
+    return build_view(train, spec)
+
+
+# -- tiny generated shards for --smoke-test ---------------------------------------------------
+
+
+def write_synthetic_shards(out: Path, *, dataset: str, num_classes: int, size: tuple[int, int],
+                           n_train: int, n_test: int, seed: int, shard_size: int,
+                           noisy_web_labels: bool) -> tuple[Path, Path]:
+    """Generated RGB images of ``size`` (H, W) (a class colour plus noise, encoded as PNG)
+    as ``out/train`` and ``out/test`` splits. ``noisy_web_labels``: the training split
+    stores a web-like noisy ``label`` (30% flipped to the next class) with ``clean`` known
+    for every other sample (as Clothing1M); otherwise ``label`` = ``clean`` (as CIFAR).
+    Reuses splits already written there. Returns the two split folders."""
+    from shards.writer import SampleRecord, WriterOptions, write_split
+
+    rng = np.random.default_rng(seed)
+    colours = rng.integers(0, 256, size=(num_classes, 3))
+    classes = [f"class{c}" for c in range(num_classes)]
+    dirs = []
+    for split, n in (("train", n_train), ("test", n_test)):
+        if (out / split / "manifest.json").is_file():
+            dirs.append(out / split)
+            continue
+        labels = np.arange(n) % num_classes
+        records = []
+        for i, c in enumerate(labels):
+            px = np.clip(colours[c] + rng.normal(0, 40, size=(*size, 3)), 0, 255).astype(np.uint8)
+            label, clean = int(c), int(c)
+            if noisy_web_labels and split == "train":
+                if rng.random() < 0.3:
+                    label = (int(c) + 1) % num_classes
+                clean = int(c) if i % 2 == 0 else -1
+            records.append(SampleRecord(idx=i, label=label, clean=clean, key=f"{split}/{i:05d}.png",
+                                        pixels=px))
+        write_split(records, out, dataset=dataset, split=split, classes=classes,
+                    options=WriterOptions(shard_size=shard_size, progress=False))
+        dirs.append(out / split)
+    return dirs[0], dirs[1]
+
+
+# -- the driver --------------------------------------------------------------------------------
+
+
+def connect_ray() -> bool:
+    """Connect to the cluster at ``RAY_ADDRESS`` (set by ``ray job submit``) or, without
+    it, start a local Ray instance (``address="local"``: never attach to some other
+    cluster found through ``/tmp/ray/ray_current_cluster``). No-op when already connected;
+    returns whether this call connected."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    ray.init(address=None if os.environ.get("RAY_ADDRESS") else "local")
+    return True
+
+
+def run_job(args: argparse.Namespace, *, job: str, run: RunConfig, dist: DistConfig,
+            view: LabelView, log: list[str] | None = None) -> dict[str, Any]:
+    """Fit (or resume) the run on Ray, print a summary and write ``results/<run>.json``
+    under the run dir. Returns the summary dict."""
+    import ray
+
+    from pipeline.ray_train import fit_distributed
+
+    for line in log or []:
+        print(line, flush=True)
+    print(f"[{job}] run {dist.run_name!r} in {dist.run_dir}: {dist.num_workers} workers "
+          f"({'GPU' if dist.use_gpu else 'CPU'}), method {run.method}, model {run.model.name}, "
+          f"{run.optim.epochs} epochs ({run.optim.pretrain_epochs} CE), global batch "
+          f"{run.optim.batch_size}, N = {len(view)}, K = {view.num_classes}; MLflow "
+          f"{dist.tracking_uri or 'off'}", flush=True)
+    started = connect_ray()
+    t0 = time.perf_counter()
+    try:
+        out = fit_distributed(run, dist, view, max_failures=args.max_failures,
+                              cpus_per_worker=args.cpus_per_worker)
+    finally:
+        if started:
+            ray.shutdown()
+    seconds = time.perf_counter() - t0
+    metrics = dict(out["metrics"] or {})
+    state = out["state"] or {}
+    summary = {
+        "job": job, "run_name": dist.run_name, "run_dir": dist.run_dir, "seconds": seconds,
+        "metrics": metrics, "checkpoint": out["checkpoint"], "store": out["store"],
+        "mlflow_run_id": state.get("mlflow_run_id"), "tracking_uri": dist.tracking_uri,
+        "epoch": state.get("epoch"), "global_step": state.get("global_step"),
+        "transition": None if out["phi"] is None else out["phi"].tolist(),
+        "true_transition": None if view.transition is None else view.transition.tolist(),
+    }
+    if out["phi"] is not None:
+        print("learned transition phi[k, j] = P(observed=j | latent=k):")
+        print(format_transition(out["phi"].numpy()))
+        if view.transition is not None:
+            print("true transition:")
+            print(format_transition(view.transition))
+    keys = ("test_top1", "label_recovery", "transition_error", "staleness", "staleness_max",
+            "sync_time", "sampler_share", "steps_per_s", "images_per_s")
+    print(f"[{job}] done in {seconds:.0f} s: " + "  ".join(
+        f"{key} {metrics[key]:.4g}" for key in keys if isinstance(metrics.get(key), float)),
+        flush=True)
+    out_dir = Path(dist.run_dir) / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{dist.run_name}.json").write_text(json.dumps(summary, indent=1, default=str))
+    return summary
+
+
+def prepare(args: argparse.Namespace, *, job: str, preset: Preset) -> list[str]:
+    """Normalise parsed arguments shared by every job; returns log lines to print."""
+    log = []
+    args.in_channels = preset.in_channels
+    if args.smoke_test:
+        apply_smoke(args)
+        log.append(f"[{job}] --smoke-test: 2 CPU workers, small_cnn, 3 epochs (1 CE), global "
+                   f"batch 64, tiny generated shards under {args.run_dir}/smoke-data")
+    if args.run_name is None:
+        args.run_name = f"{job}-{args.method}" + ("-smoke" if args.smoke_test else "")
+    if preset.note and not args.smoke_test:
+        log.append(f"[{job}] preset {preset.name}: {preset.note}")
+    args.run_dir = args.run_dir.expanduser().resolve()
+    return log
+
+
+def manifest_classes(train: str) -> list[str]:
+    if "://" in train:
+        return []
+    return list(Manifest.load(train).classes)
+
+
+
+
+@dataclass(frozen=True)
+class SmokeData:
+    """What ``--smoke-test`` generates for a dataset job (see :func:`write_synthetic_shards`)."""
+
+    dataset: str
+    num_classes: int
+    size: tuple[int, int]
+    n_train: int = 256
+    n_test: int = 64
+    shard_size: int = 32
+    noisy_web_labels: bool = False
+    noise: str | None = None  # the label view spec used in the smoke test (None: --noise)
+
+
+def dataset_parser(*, job: str, preset: Preset, description: str, epilog: str,
+                   noise_default: str, train_split: str, test_split: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description, epilog=epilog,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_data_args(p, noise_default=noise_default)
+    add_common_args(p, preset, job=job)
+    p.set_defaults(train_split=train_split, test_split=test_split)
+    return p
+
+
+def dataset_main(args: argparse.Namespace, *, job: str, preset: Preset, smoke: SmokeData,
+                 extra_log: list[str] | None = None) -> dict[str, Any]:
+    """The body of a dataset job: smoke data or the given shards -> label view -> run."""
+    log = prepare(args, job=job, preset=preset) + list(extra_log or [])
+    if args.smoke_test:
+        out = args.run_dir / "smoke-data" / smoke.dataset
+        train_dir, test_dir = write_synthetic_shards(
+            out, dataset=smoke.dataset, num_classes=smoke.num_classes, size=smoke.size,
+            n_train=smoke.n_train, n_test=smoke.n_test, seed=args.seed,
+            shard_size=smoke.shard_size, noisy_web_labels=smoke.noisy_web_labels)
+        args.train_shards, args.test_shards = str(train_dir), str(test_dir)
+        if smoke.noise is not None:
+            args.noise = smoke.noise
+        log.append(f"[{job}] smoke data: {smoke.n_train}/{smoke.n_test} generated "
+                   f"{smoke.size[0]}x{smoke.size[1]} images, {smoke.num_classes} classes in {out}; "
+                   f"label view {args.noise}")
+    train, test = resolve_sources(args)
+    view = load_view(args, train)
+    run = run_config(args)
+    dist = dist_config(args, run_name=args.run_name, train=train, test=test,
+                       class_names=manifest_classes(train), transform=preset.transform)
+    return run_job(args, job=job, run=run, dist=dist, view=view, log=log)

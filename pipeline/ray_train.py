@@ -1,0 +1,165 @@
+"""The Ray side of a distributed LCCN run: the Train worker entry point and the driver.
+
+Driver (:func:`fit_distributed`, called by the jobs in ``jobs/``)::
+
+    ray.init()                        RAY_ADDRESS if set (ray job submit), else a new local Ray
+    label view -> ray.put             every worker gets it by reference
+    StoreActor (ray.remote)           "lccn-store-<run_name>", created here, never by a worker:
+                                      observed labels, z_init = observed (clean for LCCN+
+                                      trusted samples, which are not counted)
+    TorchTrainer(train_loop_per_worker, DDP: gloo on CPU, nccl on GPU)
+        RunConfig(name=run_name, storage_path=<run_dir>/train, FailureConfig(max_failures))
+    fit() -> final checkpoint: C and z re-checked here (C == recount of z)
+
+Train V2 keeps ``checkpoint_manager_snapshot.json`` under ``<storage_path>/<name>``; a new
+``fit()`` with the same name and storage path (a re-submitted job) loads it and hands the
+latest checkpoint to ``ray.train.get_checkpoint()``, so the run resumes: model, optimizer,
+data position and, through rank 0's ``StoreActor.open``, C and z.
+
+Worker (:func:`train_loop_per_worker`): rebuilds the configs from their ``asdict`` form,
+reads rank and world size from ``ray.train.get_context()`` into a :class:`RaySession`, gets
+the actor by name and runs :func:`pipeline.dist_worker.run_worker`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from pipeline.config import RunConfig, from_dict
+from pipeline.confusion_store import ConfusionStore
+from pipeline.dist_worker import DistConfig, load_state, run_worker
+from pipeline.labels import LabelView
+from pipeline.store_actor import ActorStoreClient, create_store_actor, store_actor_name
+
+
+class RaySession:
+    """:class:`pipeline.dist_worker.Session` over ``ray.train`` and ``torch.distributed``."""
+
+    def __init__(self) -> None:
+        import ray.train
+        import ray.train.torch
+
+        ctx = ray.train.get_context()
+        self.rank, self.world_size = int(ctx.get_world_rank()), int(ctx.get_world_size())
+        self.device = torch.device(ray.train.torch.get_device())
+        self._train = ray.train
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        import ray.train.torch
+
+        return ray.train.torch.prepare_model(model)
+
+    def _dist(self) -> bool:
+        return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+    def barrier(self) -> None:
+        if self._dist():
+            torch.distributed.barrier()
+
+    def all_reduce_sum(self, t: Tensor) -> Tensor:
+        if self._dist():
+            torch.distributed.all_reduce(t)
+        return t
+
+    def load_checkpoint(self) -> dict | None:
+        ckpt = self._train.get_checkpoint()
+        if ckpt is None:
+            return None
+        with ckpt.as_directory() as d:
+            return load_state(d)
+
+    def report(self, metrics: dict[str, float], checkpoint_dir: str | None) -> None:
+        ckpt = (self._train.Checkpoint.from_directory(checkpoint_dir)
+                if checkpoint_dir is not None else None)
+        self._train.report(metrics, checkpoint=ckpt)
+
+
+def train_loop_per_worker(config: dict) -> None:
+    """Ray Train entry point: ``config = {"run": asdict(RunConfig), "dist": asdict(DistConfig),
+    "view": ObjectRef of the LabelView, "store": actor name or None, "namespace": str}``."""
+    import ray
+
+    run = from_dict(RunConfig, config["run"])
+    dist = DistConfig(**config["dist"])
+    view = ray.get(config["view"])
+    store = None
+    if config["store"] is not None:
+        store = ActorStoreClient(ray.get_actor(config["store"], namespace=config["namespace"]))
+    torch.set_num_threads(max(1, int(config.get("threads", 1))))
+    run_worker(run, dist, view, store, RaySession())
+
+
+def initial_assignment_placeholder(view: LabelView, run: RunConfig) -> tuple[Tensor, Tensor | None]:
+    """``z_init (N,)`` and ``counted (N,) bool | None`` the actor starts from: the observed
+    labels until LCCN starts (the workers then commit the argmax assignment); LCCN+ trusted
+    samples hold their clean label and are never counted."""
+    observed = torch.from_numpy(view.observed)
+    if run.lccn.use_trusted:
+        trusted = torch.from_numpy(view.trusted)
+        return torch.where(trusted, torch.from_numpy(view.clean), observed), ~trusted
+    return observed.clone(), None
+
+
+def fit_distributed(run: RunConfig, dist: DistConfig, view: LabelView, *,
+                    max_failures: int = 1, threads_per_worker: int | None = None,
+                    cpus_per_worker: float = 1.0) -> dict[str, Any]:
+    """Run (or resume) ``dist.run_name`` on the Ray cluster this process is connected to
+    (``ray.init()`` first if it is not).
+
+    Returns ``{"metrics": rank 0's last reported metrics, "checkpoint": path of the final
+    checkpoint, "state": its state dict, "phi": (K_latent, K) float64 learned transition
+    (None for CE), "store": the final StoreActor stats}``. Raises
+    ``ray.train.TrainingFailedError`` when the run fails more than ``max_failures`` times.
+    """
+    import ray
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    if not ray.is_initialized():
+        ray.init(address=None if os.environ.get("RAY_ADDRESS") else "local")
+    k = view.num_classes
+    k_latent = k + 1 if (run.method == "lccn" and run.lccn.outlier) else k
+    handle = name = None
+    if run.method == "lccn":
+        z_init, counted = initial_assignment_placeholder(view, run)
+        handle = create_store_actor(dist.run_name, torch.from_numpy(view.observed), z_init,
+                                    k_latent, k, counted=counted)
+        name = store_actor_name(dist.run_name)
+    threads = threads_per_worker or max(1, int(cpus_per_worker))
+    config = {"run": asdict(run), "dist": asdict(dist), "view": ray.put(view), "store": name,
+              "namespace": ray.get_runtime_context().namespace, "threads": threads}
+    trainer = TorchTrainer(
+        train_loop_per_worker, train_loop_config=config,
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=dist.num_workers, use_gpu=dist.use_gpu,
+            resources_per_worker=None if dist.use_gpu else {"CPU": cpus_per_worker}),
+        torch_config=TorchConfig(backend="nccl" if dist.use_gpu else "gloo"),
+        run_config=ray.train.RunConfig(
+            name=dist.run_name, storage_path=str(Path(dist.run_dir) / "train"),
+            failure_config=ray.train.FailureConfig(max_failures=max_failures),
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2)))
+    try:
+        result = trainer.fit()
+        store_stats = ray.get(handle.stats.remote()) if handle is not None else None
+    finally:
+        if handle is not None:
+            ray.kill(handle, no_restart=True)  # the name is free for the next run
+    out: dict[str, Any] = {"metrics": result.metrics, "checkpoint": None, "state": None,
+                           "phi": None, "store": store_stats}
+    if result.checkpoint is not None:
+        with result.checkpoint.as_directory() as d:
+            state = load_state(d)
+        out["checkpoint"] = result.checkpoint.path
+        out["state"] = state
+        if state["store"] is not None:
+            # re-check the invariants on the driver side: raises if C != recount(z)
+            store = ConfusionStore.from_state_dict(state["store"])
+            store.check()
+            out["phi"] = store.transition()
+    return out

@@ -1,0 +1,275 @@
+"""The confusion store as a shared, restartable actor, and the worker-side clients that talk
+to it.
+
+:class:`StoreActor` is a plain class (a :class:`~pipeline.confusion_store.ConfusionStore`
+plus what a store shared by a restartable worker group needs). A job wraps it with
+``ray.remote`` in the driver (:func:`create_store_actor`); tests use it in-process.
+
+Fencing. Every (re)start of the worker group begins with rank 0 calling :meth:`StoreActor.open`
+with the checkpointed state (or ``None`` for a fresh run): the store goes back to exactly
+that state and draws a new *fence* token. Every commit carries the fence its worker group
+got; a commit with another fence is refused with :class:`FenceError`. So
+
+- a late commit of a worker of a failed group (still in flight when its group died) can
+  never touch the restored state;
+- if the actor itself dies, Ray restarts it from its constructor arguments with no fence;
+  the next commit of the running group fails with :class:`FenceError`, the group fails,
+  restarts from the last checkpoint, and ``open`` restores C and z from it.
+
+Together with the ``(worker, seq)`` de-duplication of :meth:`ConfusionStore.commit` (a retried
+call is applied once) every delta is applied exactly once relative to the checkpoint the
+run resumed from: commits after it are discarded with the model steps that made them.
+
+Clients (the ``Store`` protocol of :mod:`pipeline.lccn` plus the control calls):
+:class:`LocalStoreClient` calls a StoreActor in this process; :class:`ActorStoreClient` calls
+the Ray actor: ``step`` returns the ObjectRef at once and ``resolve`` waits for it, so the
+round trip overlaps the backward pass and the next forward.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from pipeline.confusion_store import ConfusionStore, Sync
+
+
+class FenceError(RuntimeError):
+    """A commit from a worker group the store no longer serves (or before any ``open``)."""
+
+
+class StoreActor(ConfusionStore):
+    """A :class:`ConfusionStore` for a restartable worker group.
+
+    Same arguments as ConfusionStore: ``observed (N,) int64``, ``z_init (N,) int64`` (the
+    placeholder assignment until LCCN starts), ``k_latent``, ``num_classes``,
+    ``counted (N,) bool`` (False: LCCN+ trusted, never counted). The constructor state is
+    kept so that a fresh (re)start of the run can go back to it.
+    """
+
+    def __init__(self, observed: Tensor, z_init: Tensor, k_latent: int, num_classes: int, *,
+                 counted: Tensor | None = None, log_capacity: int = 4096) -> None:
+        super().__init__(observed, z_init, k_latent, num_classes, counted=counted,
+                         log_capacity=log_capacity)
+        self._initial = self.state_dict()
+        self.fence: str | None = None
+        self.meta: dict[str, Any] = {}
+        self.opened = 0
+        self.refused = 0
+        self.busy_s = 0.0
+        self.calls = 0
+
+    # -- control ------------------------------------------------------------------------------
+
+    def open(self, state: dict | None = None) -> str:
+        """Restore ``state`` (a :meth:`state_dict`, e.g. from a checkpoint) or, with None, the
+        constructor state; returns the new fence token every commit must carry."""
+        self.load_state_dict(self._initial if state is None else state)
+        self.fence = uuid.uuid4().hex
+        self.opened += 1
+        return self.fence
+
+    def get_fence(self) -> str | None:
+        return self.fence
+
+    def _check_fence(self, fence: str | None) -> None:
+        if fence is not None and fence != self.fence:
+            self.refused += 1
+            serving = ("no worker group (restarted, not yet reopened)" if self.fence is None
+                       else f"fence {self.fence[:8]}")
+            raise FenceError(f"commit with fence {fence[:8]} refused: the store serves {serving}; "
+                             "the worker group must restart from its last checkpoint")
+
+    def snapshot(self) -> tuple[Tensor, int]:
+        """``(C (K_latent, K) int64, version)``: a full replica to start a labeler from."""
+        return self.counts.clone(), self.version
+
+    def set_meta(self, key: str, value: Any) -> None:
+        self.meta[key] = value
+
+    def get_meta(self, key: str, default: Any = None) -> Any:
+        return self.meta.get(key, default)
+
+    def stats(self) -> dict[str, float]:
+        """Counters: ``version``, ``duplicates`` (retried commits ignored), ``refused``
+        (fenced-off commits), ``opened``, ``calls`` and ``busy_s`` (seconds spent in
+        commit/sync: the actor's load; near wall time = saturated)."""
+        return {"version": float(self.version), "duplicates": float(self.duplicates),
+                "refused": float(self.refused), "opened": float(self.opened),
+                "calls": float(self.calls), "busy_s": self.busy_s}
+
+    def check_state(self) -> dict:
+        """Run :meth:`check` (raises AssertionError/ValueError on a broken invariant) and
+        return the state it checked, so one call gives a consistent, checked checkpoint."""
+        self.check()
+        return self.state_dict()
+
+    # -- the worker protocol, fenced ----------------------------------------------------------
+
+    def commit(self, idx: Tensor, z_new: Tensor, *, worker: str = "0", seq: int | None = None,
+               fence: str | None = None) -> int:
+        """:meth:`ConfusionStore.commit`, refused with :class:`FenceError` when ``fence`` is
+        given and is not the current one (``None``: unfenced, for in-process use)."""
+        self._check_fence(fence)
+        return super().commit(idx, z_new, worker=worker, seq=seq)
+
+    def step(self, idx: Tensor, z_new: Tensor, next_idx: Tensor, *, since: int,
+             worker: str = "0", seq: int | None = None, fence: str | None = None) -> Sync:
+        t0 = time.perf_counter()
+        try:
+            self.commit(idx, z_new, worker=worker, seq=seq, fence=fence)
+            return self.sync(next_idx, since=since)
+        finally:
+            self.calls += 1
+            self.busy_s += time.perf_counter() - t0
+
+
+# -- clients ----------------------------------------------------------------------------------
+
+
+class LocalStoreClient:
+    """A worker's view of a :class:`StoreActor` in the same process (tests, one process)."""
+
+    def __init__(self, store: StoreActor) -> None:
+        self.store = store
+        self.fence: str | None = None
+
+    def open(self, state: dict | None) -> str:
+        self.fence = self.store.open(state)
+        return self.fence
+
+    def join(self) -> str:
+        """Take the fence rank 0 opened (call after a barrier that follows ``open``)."""
+        fence = self.store.get_fence()
+        if fence is None:
+            raise FenceError("the store has not been opened by rank 0")
+        self.fence = fence
+        return fence
+
+    def sync(self, idx: Tensor, *, since: int) -> Sync:
+        return self.store.sync(idx, since=since)
+
+    def step(self, idx: Tensor, z_new: Tensor, next_idx: Tensor, *, since: int,
+             worker: str = "0", seq: int | None = None) -> Any:
+        return self.store.step(idx, z_new, next_idx, since=since, worker=worker, seq=seq,
+                               fence=self.fence)
+
+    def resolve(self, handle: Any) -> Sync:
+        return handle
+
+    def commit(self, idx: Tensor, z_new: Tensor, *, worker: str, seq: int) -> int:
+        return self.store.commit(idx, z_new, worker=worker, seq=seq, fence=self.fence)
+
+    def snapshot(self) -> tuple[Tensor, int]:
+        return self.store.snapshot()
+
+    def check_state(self) -> dict:
+        return self.store.check_state()
+
+    def set_meta(self, key: str, value: Any) -> None:
+        self.store.set_meta(key, value)
+
+    def get_meta(self, key: str) -> Any:
+        return self.store.get_meta(key)
+
+    def stats(self) -> dict[str, float]:
+        return self.store.stats()
+
+
+class ActorStoreClient(LocalStoreClient):
+    """A worker's view of the Ray actor holding a :class:`StoreActor`.
+
+    Control calls block (``ray.get``); :meth:`step` returns the ObjectRef without waiting
+    and :meth:`resolve` waits for it. ``resolve`` of a refused commit raises the actor's
+    :class:`FenceError` (wrapped by Ray), which fails the worker and so the group.
+    """
+
+    def __init__(self, handle: Any) -> None:
+        import ray  # only here: the library imports without Ray
+
+        self._ray = ray
+        self.store = handle
+        self.fence = None
+
+    def _get(self, ref: Any) -> Any:
+        return self._ray.get(ref)
+
+    def open(self, state: dict | None) -> str:
+        self.fence = self._get(self.store.open.remote(state))
+        return self.fence
+
+    def join(self) -> str:
+        fence = self._get(self.store.get_fence.remote())
+        if fence is None:
+            raise FenceError("the store has not been opened by rank 0")
+        self.fence = fence
+        return fence
+
+    def sync(self, idx: Tensor, *, since: int) -> Sync:
+        return self._get(self.store.sync.remote(idx, since=since))
+
+    def step(self, idx: Tensor, z_new: Tensor, next_idx: Tensor, *, since: int,
+             worker: str = "0", seq: int | None = None) -> Any:
+        return self.store.step.remote(idx, z_new, next_idx, since=since, worker=worker, seq=seq,
+                                      fence=self.fence)
+
+    def resolve(self, handle: Any) -> Sync:
+        return self._get(handle)
+
+    def commit(self, idx: Tensor, z_new: Tensor, *, worker: str, seq: int) -> int:
+        return self._get(self.store.commit.remote(idx, z_new, worker=worker, seq=seq,
+                                                  fence=self.fence))
+
+    def snapshot(self) -> tuple[Tensor, int]:
+        return self._get(self.store.snapshot.remote())
+
+    def check_state(self) -> dict:
+        return self._get(self.store.check_state.remote())
+
+    def set_meta(self, key: str, value: Any) -> None:
+        self._get(self.store.set_meta.remote(key, value))
+
+    def get_meta(self, key: str) -> Any:
+        return self._get(self.store.get_meta.remote(key))
+
+    def stats(self) -> dict[str, float]:
+        return self._get(self.store.stats.remote())
+
+    def kill(self) -> None:
+        """Kill the actor process and let Ray restart it (fault-injection in tests)."""
+        self._ray.kill(self.store, no_restart=False)
+
+
+def store_actor_name(run_name: str) -> str:
+    return f"lccn-store-{run_name}"
+
+
+def create_store_actor(run_name: str, observed: Tensor, z_init: Tensor, k_latent: int,
+                       num_classes: int, *, counted: Tensor | None = None,
+                       max_task_retries: int = 3) -> Any:
+    """Create the run's confusion actor from the driver (never from a Train worker: an
+    actor dies with the process that created it, and Train restarts its workers).
+
+    Named ``lccn-store-<run_name>`` in the job's namespace; ``max_restarts=-1`` so a dead
+    actor comes back (empty, unfenced: the worker group then restores it from the last
+    checkpoint); ``num_cpus=0`` so it never takes a CPU a Train worker needs. Raises
+    ValueError if a live run of the same name already holds the name.
+    """
+    import ray
+
+    name = store_actor_name(run_name)
+    try:
+        ray.get_actor(name)
+    except ValueError:
+        pass
+    else:
+        raise ValueError(f"a confusion actor {name!r} is alive in this namespace: is run "
+                         f"{run_name!r} already running? (pick another --run-name)")
+    cls = ray.remote(StoreActor)
+    return cls.options(name=name, max_restarts=-1, max_task_retries=max_task_retries,
+                       num_cpus=0).remote(observed, z_init, k_latent, num_classes,
+                                          counted=counted)

@@ -1,0 +1,213 @@
+"""The job scripts: paper presets, configs built from the command line, and
+``ray job submit`` of the quickstart against a head node this test starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "jobs"))
+import cifar_lccn  # noqa: E402
+import clothing1m_lccn  # noqa: E402
+import common  # noqa: E402
+import quickstart_ray  # noqa: E402
+import webvision_divide_lccn  # noqa: E402
+
+RAY = Path(sys.executable).with_name("ray")
+
+
+def _configs(module, argv):
+    args = module.get_args_parser().parse_args(argv)
+    args.in_channels = 3
+    if module is cifar_lccn and args.warmup is None:
+        args.warmup = common.PRESETS[args.dataset].warmup
+    return args, common.run_config(args)
+
+
+def test_cifar_preset_is_the_papers():
+    args, run = _configs(cifar_lccn, ["--data", "/x"])
+    assert run.model.name == "preact_resnet32" and run.optim.batch_size == 128
+    assert run.optim.epochs == 120 and run.optim.milestones == (40, 80)
+    assert tuple(args.lr_values) == (0.5, 0.1, 0.01) and run.optim.weight_decay == 5e-4
+    assert run.lccn.warmup_steps == 20_000 and run.lccn.warmup == "eq8"
+    assert run.lccn.alpha == 1.0 and not run.lccn.anneal
+    _, run100 = _configs(cifar_lccn, ["--data", "/x", "--dataset", "cifar100"])
+    assert run100.lccn.warmup == "identity"
+
+
+def test_web_presets_are_the_papers():
+    args, run = _configs(clothing1m_lccn, ["--data", "/x"])
+    assert run.model.name == "resnet50" and args.pretrained
+    assert (run.optim.batch_size, run.optim.lr, run.optim.epochs) == (32, 0.001, 5)
+    assert run.optim.milestones == () and run.optim.weight_decay == 1e-3
+    assert run.lccn.warmup_steps == 40_000 and run.lccn.anneal
+    assert args.train_split == "noisy_train" and json.loads(args.noise) == {"kind": "dataset"}
+    args, run = _configs(webvision_divide_lccn, ["--data", "/x"])
+    assert run.model.name == "inception_resnet_v2" and run.optim.batch_size == 64
+    assert run.optim.lr == 0.01 and run.optim.milestones == (40,) and run.optim.lr_decay == 0.1
+    assert run.lccn.anneal and args.test_split == "val"
+
+
+def test_webvision_job_says_divide_lccn_is_not_there_yet():
+    text = webvision_divide_lccn.get_args_parser().format_help()
+    assert "DivideLCCN is not implemented yet" in text
+    assert "plain LCCN" in webvision_divide_lccn.NOT_YET
+
+
+def test_lr_values_become_the_phase_learning_rates(tmp_path):
+    """--lr-values 0.5 0.1 0.01 with milestones 40 80 gives exactly those rates."""
+    import torch
+
+    from pipeline.dist_worker import DistConfig, _scheduler
+
+    args, run = _configs(cifar_lccn, ["--data", "/x"])
+    dist = DistConfig(run_name="r", run_dir=str(tmp_path), train_source=str(tmp_path),
+                      lr_values=tuple(args.lr_values))
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=run.optim.lr)
+    sched = _scheduler(opt, run, dist)
+    rates = []
+    for _ in range(120):
+        rates.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert rates[0] == rates[39] == pytest.approx(0.5)
+    assert rates[40] == rates[79] == pytest.approx(0.1)
+    assert rates[80] == rates[119] == pytest.approx(0.01)
+
+
+def test_smoke_shards_and_views(tmp_path):
+    """The generated smoke splits load as a CIFAR-like view (noise applied to clean labels)
+    and a web-like view (noisy labels, half the clean labels known)."""
+    from pipeline.manifest import Manifest
+    from shards.labelview import build_view
+
+    tr, te = common.write_synthetic_shards(tmp_path / "c", dataset="cifar10", num_classes=10,
+                                           size=(32, 32), n_train=64, n_test=16, seed=0,
+                                           shard_size=16, noisy_web_labels=False)
+    assert Manifest.load(tr).num_samples == 64 and len(Manifest.load(te).shards) == 1
+    view = build_view(tr, json.loads(cifar_lccn.NOISE["cifar10"]))
+    assert (view.clean >= 0).all() and view.transition is not None
+    tr, _ = common.write_synthetic_shards(tmp_path / "w", dataset="clothing1m", num_classes=14,
+                                          size=(24, 20), n_train=56, n_test=28, seed=0,
+                                          shard_size=28, noisy_web_labels=True)
+    view = build_view(tr, {"kind": "dataset"})
+    assert (view.clean == -1).sum() == 28 and view.noise_rate() > 0
+
+
+# -- `ray job submit` against a head node started here ------------------------------------------
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@pytest.fixture
+def ray_head():
+    """``ray start --head --block`` on free ports with a private temp dir, in its own process
+    group; teardown stops exactly that cluster (its process group, then any process whose
+    command line names its temp dir). ``ray stop --force`` is not used: it would stop every
+    Ray cluster on the machine, other people's included."""
+    if not RAY.exists():
+        pytest.fail(f"no ray CLI next to {sys.executable}")
+    tmp = tempfile.mkdtemp(prefix="rh", dir="/tmp")  # short: Ray's socket paths are limited
+    gcs, dash, client, agent, agent_grpc, metrics, rt_env = _free_ports(7)
+    # token authentication with a token of this test only (not ~/.ray/auth_token): the
+    # cluster and the `ray job submit` client both read it from RAY_AUTH_TOKEN_PATH
+    from ray._private.authentication.authentication_token_generator import (
+        generate_new_authentication_token)
+
+    token = Path(tmp) / "auth_token"
+    token.write_text(generate_new_authentication_token())
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN")}
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
+    # as in an activated venv: `python` in the job's entrypoint is this interpreter
+    env["PATH"] = f"{RAY.parent}{os.pathsep}{env.get('PATH', '')}"
+    cmd = [str(RAY), "start", "--head", "--block", "--num-cpus=2", f"--port={gcs}",
+           "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+           f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}",
+           f"--dashboard-agent-grpc-port={agent_grpc}", f"--metrics-export-port={metrics}",
+           f"--runtime-env-agent-port={rt_env}", f"--temp-dir={tmp}", "--disable-usage-stats"]
+    log = open(Path(tmp) / "ray-start.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{dash}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/api/version", timeout=2):
+                    break
+            except urllib.error.HTTPError:  # answering (401 without the token): it is up
+                break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.time() > deadline:
+                pytest.fail(f"head node did not come up: {(Path(tmp) / 'ray-start.log').read_text()[-2000:]}")
+            time.sleep(1)
+        yield {"address": url, "env": env, "temp_dir": tmp}
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                proc.wait(timeout=10)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        _kill_leftovers(tmp)
+        log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _kill_leftovers(marker: str) -> None:
+    """SIGKILL, by pid, the processes whose command line contains ``marker`` (our temp dir)."""
+    for pid_dir in Path("/proc").iterdir():
+        if not pid_dir.name.isdigit() or int(pid_dir.name) == os.getpid():
+            continue
+        try:
+            cmdline = (pid_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline:
+            try:
+                os.kill(int(pid_dir.name), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.mark.ray
+def test_ray_job_submit_quickstart_smoke(ray_head, tmp_path):
+    run_dir = tmp_path / "runs"
+    cmd = [str(RAY), "job", "submit", "--address", ray_head["address"], "--working-dir",
+           str(REPO), "--", "python", "jobs/quickstart_ray.py", "--smoke-test",
+           "--run-dir", str(run_dir)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=ray_head["env"], timeout=540)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "[quickstart_ray] done in" in out, out[-4000:]
+    result = json.loads((run_dir / "results" / "quickstart_ray-lccn-smoke.json").read_text())
+    assert result["epoch"] == 3 and result["mlflow_run_id"]
+    assert (run_dir / "mlflow.db").is_file()
+    assert abs(sum(result["transition"][0]) - 1) < 1e-9
