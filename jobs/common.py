@@ -98,7 +98,7 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
     """Options every job shares; recipe options default to ``preset`` (None = preset's)."""
     g = p.add_argument_group("run")
     g.add_argument("--run-name", default=None,
-                   help="Ray Train / MLflow run name (default: <job>-<method>); the same name "
+                   help="Ray Train / MLflow run name (default: <job>-<method>-<timestamp>, a new run); the same name "
                         "and run dir again resumes the run from its last checkpoint")
     g.add_argument("--run-dir", type=Path, default=default_run_dir(job),
                    help="absolute run directory: Ray storage <run-dir>/train, MLflow store "
@@ -358,8 +358,9 @@ def prepare(args: argparse.Namespace, *, job: str, preset: Preset) -> list[str]:
         apply_smoke(args)
         log.append(f"[{job}] --smoke-test: 2 CPU workers, small_cnn, 3 epochs (1 CE), global "
                    f"batch 64, tiny generated shards under {args.run_dir}/smoke-data")
-    if args.run_name is None:
-        args.run_name = f"{job}-{args.method}" + ("-smoke" if args.smoke_test else "")
+    if args.run_name is None:  # a new run each time; pass --run-name to resume one
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        args.run_name = f"{job}-{args.method}" + ("-smoke" if args.smoke_test else "") + f"-{stamp}"
     if preset.note and not args.smoke_test:
         log.append(f"[{job}] preset {preset.name}: {preset.note}")
     args.run_dir = args.run_dir.expanduser().resolve()
