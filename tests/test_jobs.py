@@ -207,7 +207,9 @@ def test_ray_job_submit_quickstart_smoke(ray_head, tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "[quickstart_ray] done in" in out, out[-4000:]
-    result = json.loads((run_dir / "results" / "quickstart_ray-lccn-smoke.json").read_text())
+    found = sorted((run_dir / "results").glob("quickstart_ray-lccn-smoke-*.json"))
+    assert len(found) == 1, found  # a new, timestamped run name when none is given
+    result = json.loads(found[0].read_text())
     assert result["epoch"] == 3 and result["mlflow_run_id"]
     assert (run_dir / "mlflow.db").is_file()
     assert abs(sum(result["transition"][0]) - 1) < 1e-9
