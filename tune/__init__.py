@@ -1,0 +1,10 @@
+"""Hyper-parameter sweeps with Ray Tune over the jobs' Ray Train runs.
+
+:mod:`tune.search_spaces` holds the search spaces as plain data keyed by config field names
+(``"lccn.alpha"``) and :func:`tune.search_spaces.apply_point`, which checks a sampled point by
+building the frozen :class:`pipeline.config.RunConfig` from it. :mod:`tune.sweep` is the
+driver (``python -m tune.sweep --smoke-test``).
+
+Note: this package shadows nothing in Ray (Ray's is ``ray.tune``), but a script run from
+``tune/`` itself must not ``import tune`` expecting Ray.
+"""
