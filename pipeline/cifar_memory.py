@@ -13,7 +13,6 @@ Shapes and axes: images are ``(N, 3, 32, 32)`` channels first (RGB); labels ``(N
 
 from __future__ import annotations
 
-import hashlib
 import io
 import os
 import re
@@ -26,6 +25,8 @@ import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor
+
+from pipeline.manifest import sha256_file
 
 CIFAR10_CLASSES: tuple[str, ...] = ("airplane", "automobile", "bird", "cat", "deer", "dog",
                                     "frog", "horse", "ship", "truck")
@@ -46,14 +47,6 @@ class CifarArrays:
     test_x: np.ndarray
     test_y: np.ndarray
     classes: tuple[str, ...] = CIFAR10_CLASSES
-
-
-def sha256_file(path: str | os.PathLike, *, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def decode_tarball(path: str | os.PathLike, *, classes: tuple[str, ...] = CIFAR10_CLASSES,
