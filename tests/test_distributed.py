@@ -398,3 +398,20 @@ def test_one_and_two_workers_estimate_the_same_transition(chaos_run, tmp_path):
     assert np.abs(phi1 - phi2).mean() < 0.03
     assert one["metrics"]["staleness"] == 0.0  # one worker: never stale
     assert two["metrics"]["staleness_max"] >= 1  # two workers: the other's commits
+
+
+def test_packed_wire_format_round_trips_a_step():
+    """The Ray client sends numpy arrays (step_packed) and rebuilds a Sync from the reply."""
+    from pipeline.store_actor import StoreActor, unpack_sync
+
+    obs = torch.tensor([0, 1, 2, 0, 1, 2])
+    a, b = StoreActor(obs, obs.clone(), 3, 3), StoreActor(obs, obs.clone(), 3, 3)
+    fa, fb = a.open(None), b.open(None)
+    want = a.step(torch.tensor([0, 1]), torch.tensor([2, 0]), torch.tensor([3, 4]), since=0,
+                  worker="w", seq=0, fence=fa)
+    got = unpack_sync(b.step_packed(np.array([0, 1]), np.array([2, 0]), np.array([3, 4]),
+                                    since=0, worker="w", seq=0, fence=fb))
+    assert got.version == want.version and got.counts is None
+    for name in ("z", "delta_obs", "delta_old", "delta_new"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert torch.equal(a.counts, b.counts)
