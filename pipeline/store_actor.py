@@ -16,6 +16,18 @@ got; a commit with another fence is refused with :class:`FenceError`. So
   the next commit of the running group fails with :class:`FenceError`, the group fails,
   restarts from the last checkpoint, and ``open`` restores C and z from it.
 
+Every call that reads or writes the chain state (``commit``/``step``, ``sync``, ``snapshot``,
+``check_state``, ``set_meta``/``get_meta``) takes the fence too: a worker group never reads
+a restarted actor's fresh state (``version 0``, z = the observed labels) as if it were its
+own, e.g. rank 0 reading the state to checkpoint right after the actor died would otherwise
+save a reset chain that passes every invariant.
+
+Counters (``opened``, ``calls``, ``refused``, ``duplicates``, ``busy_s``) are part of
+:meth:`StoreActor.state_dict`, so they go into every checkpoint. A restarted actor process
+starts from the counters of the checkpoint it is reopened with (what happened between that
+checkpoint and the actor's death is lost with it) and counts the restart in ``restored``;
+a live actor reopened after a worker failure keeps its own, larger, counts.
+
 Together with the ``(worker, seq)`` de-duplication of :meth:`ConfusionStore.commit` (a retried
 call is applied once) every delta is applied exactly once relative to the checkpoint the
 run resumed from: commits after it are discarded with the model steps that made them.
@@ -39,6 +51,9 @@ from torch import Tensor
 from pipeline.confusion_store import ConfusionStore, Sync
 
 
+COUNTER_KEYS = ("opened", "calls", "refused", "duplicates", "busy_s")
+
+
 class FenceError(RuntimeError):
     """A commit from a worker group the store no longer serves (or before any ``open``)."""
 
@@ -56,13 +71,15 @@ class StoreActor(ConfusionStore):
                  counted: Tensor | None = None, log_capacity: int = 4096) -> None:
         super().__init__(observed, z_init, k_latent, num_classes, counted=counted,
                          log_capacity=log_capacity)
-        self._initial = self.state_dict()
         self.fence: str | None = None
         self.meta: dict[str, Any] = {}
         self.opened = 0
         self.refused = 0
         self.busy_s = 0.0
         self.calls = 0
+        self.restored = 0
+        self._counted_here = False  # this process has taken over a checkpoint's counters
+        self._initial = self.state_dict()
 
     # -- control ------------------------------------------------------------------------------
 
@@ -70,6 +87,15 @@ class StoreActor(ConfusionStore):
         """Restore ``state`` (a :meth:`state_dict`, e.g. from a checkpoint) or, with None, the
         constructor state; returns the new fence token every commit must carry."""
         self.load_state_dict(self._initial if state is None else state)
+        saved = (state or {}).get("counters")
+        if saved is not None and not self._counted_here:
+            # a fresh actor process (first open, or Ray restarted it): continue the counts
+            # of the checkpoint on top of what this process counted before this open
+            for key in COUNTER_KEYS:
+                setattr(self, key, type(getattr(self, key))(saved.get(key, 0))
+                        + getattr(self, key))
+            self.restored += 1
+        self._counted_here = True
         self.fence = uuid.uuid4().hex
         self.opened += 1
         return self.fence
@@ -77,35 +103,54 @@ class StoreActor(ConfusionStore):
     def get_fence(self) -> str | None:
         return self.fence
 
-    def _check_fence(self, fence: str | None) -> None:
+    def _check_fence(self, fence: str | None, what: str = "commit") -> None:
         if fence is not None and fence != self.fence:
             self.refused += 1
             serving = ("no worker group (restarted, not yet reopened)" if self.fence is None
                        else f"fence {self.fence[:8]}")
-            raise FenceError(f"commit with fence {fence[:8]} refused: the store serves {serving}; "
+            raise FenceError(f"{what} with fence {fence[:8]} refused: the store serves {serving}; "
                              "the worker group must restart from its last checkpoint")
 
-    def snapshot(self) -> tuple[Tensor, int]:
+    def snapshot(self, *, fence: str | None = None) -> tuple[Tensor, int]:
         """``(C (K_latent, K) int64, version)``: a full replica to start a labeler from."""
+        self._check_fence(fence, "snapshot")
         return self.counts.clone(), self.version
 
-    def set_meta(self, key: str, value: Any) -> None:
+    def sync(self, idx: Tensor, *, since: int, fence: str | None = None) -> Sync:
+        """:meth:`ConfusionStore.sync`, refused with :class:`FenceError` on a stale fence."""
+        self._check_fence(fence, "sync")
+        return super().sync(idx, since=since)
+
+    def set_meta(self, key: str, value: Any, *, fence: str | None = None) -> None:
+        self._check_fence(fence, "set_meta")
         self.meta[key] = value
 
-    def get_meta(self, key: str, default: Any = None) -> Any:
+    def get_meta(self, key: str, default: Any = None, *, fence: str | None = None) -> Any:
+        self._check_fence(fence, "get_meta")
         return self.meta.get(key, default)
 
-    def stats(self) -> dict[str, float]:
-        """Counters: ``version``, ``duplicates`` (retried commits ignored), ``refused``
-        (fenced-off commits), ``opened``, ``calls`` and ``busy_s`` (seconds spent in
-        commit/sync: the actor's load; near wall time = saturated)."""
-        return {"version": float(self.version), "duplicates": float(self.duplicates),
-                "refused": float(self.refused), "opened": float(self.opened),
-                "calls": float(self.calls), "busy_s": self.busy_s}
+    def counters(self) -> dict[str, float]:
+        """The counters of the whole run (see the module docstring), as floats."""
+        return {key: float(getattr(self, key)) for key in (*COUNTER_KEYS, "restored")}
 
-    def check_state(self) -> dict:
+    def stats(self) -> dict[str, float]:
+        """``version`` and the counters: ``duplicates`` (retried commits ignored),
+        ``refused`` (fenced-off calls), ``opened``, ``calls``, ``busy_s`` (seconds spent in
+        commit/sync: the actor's load; near wall time = saturated) and ``restored`` (times
+        an actor process took over a checkpoint's counters). Not fenced: read-only."""
+        return {"version": float(self.version), **self.counters()}
+
+    def state_dict(self) -> dict:
+        """:meth:`ConfusionStore.state_dict` plus ``counters`` (restored by :meth:`open`)."""
+        state = super().state_dict()
+        state["counters"] = self.counters()
+        return state
+
+    def check_state(self, *, fence: str | None = None) -> dict:
         """Run :meth:`check` (raises AssertionError/ValueError on a broken invariant) and
-        return the state it checked, so one call gives a consistent, checked checkpoint."""
+        return the state it checked, so one call gives a consistent, checked checkpoint.
+        Refused with :class:`FenceError` when ``fence`` is not the current one."""
+        self._check_fence(fence, "check_state")
         self.check()
         return self.state_dict()
 
@@ -123,7 +168,7 @@ class StoreActor(ConfusionStore):
         t0 = time.perf_counter()
         try:
             self.commit(idx, z_new, worker=worker, seq=seq, fence=fence)
-            return self.sync(next_idx, since=since)
+            return ConfusionStore.sync(self, next_idx, since=since)
         finally:
             self.calls += 1
             self.busy_s += time.perf_counter() - t0
@@ -134,8 +179,8 @@ class StoreActor(ConfusionStore):
         """:meth:`step` with numpy arrays on the wire (cheaper to pickle than small torch
         tensors: measured ~2x less store time per step in benchmarks/results/step.md).
         Returns :func:`pack_sync` of the reply."""
-        sync = self.step(torch.from_numpy(idx), torch.from_numpy(z_new),
-                         torch.from_numpy(next_idx), since=since, worker=worker, seq=seq,
+        sync = self.step(_tensor(idx), _tensor(z_new),
+                         _tensor(next_idx), since=since, worker=worker, seq=seq,
                          fence=fence)
         return pack_sync(sync)
 
@@ -147,10 +192,15 @@ def pack_sync(sync: Sync) -> tuple:
             sync.delta_new.numpy(), counts)
 
 
+def _tensor(a: np.ndarray) -> Tensor:
+    """A tensor over ``a``; a copy when ``a`` is read-only (Ray's zero-copy arrays are)."""
+    return torch.from_numpy(a if a.flags.writeable else a.copy())
+
+
 def unpack_sync(packed: tuple) -> Sync:
     z, version, obs, old, new, counts = packed
-    return Sync(torch.from_numpy(z), int(version), torch.from_numpy(obs), torch.from_numpy(old),
-                torch.from_numpy(new), None if counts is None else torch.from_numpy(counts))
+    return Sync(_tensor(z), int(version), _tensor(obs), _tensor(old), _tensor(new),
+                None if counts is None else _tensor(counts))
 
 
 # -- clients ----------------------------------------------------------------------------------
@@ -176,7 +226,7 @@ class LocalStoreClient:
         return fence
 
     def sync(self, idx: Tensor, *, since: int) -> Sync:
-        return self.store.sync(idx, since=since)
+        return self.store.sync(idx, since=since, fence=self.fence)
 
     def step(self, idx: Tensor, z_new: Tensor, next_idx: Tensor, *, since: int,
              worker: str = "0", seq: int | None = None) -> Any:
@@ -190,16 +240,16 @@ class LocalStoreClient:
         return self.store.commit(idx, z_new, worker=worker, seq=seq, fence=self.fence)
 
     def snapshot(self) -> tuple[Tensor, int]:
-        return self.store.snapshot()
+        return self.store.snapshot(fence=self.fence)
 
     def check_state(self) -> dict:
-        return self.store.check_state()
+        return self.store.check_state(fence=self.fence)
 
     def set_meta(self, key: str, value: Any) -> None:
-        self.store.set_meta(key, value)
+        self.store.set_meta(key, value, fence=self.fence)
 
     def get_meta(self, key: str) -> Any:
-        return self.store.get_meta(key)
+        return self.store.get_meta(key, fence=self.fence)
 
     def stats(self) -> dict[str, float]:
         return self.store.stats()
@@ -235,7 +285,7 @@ class ActorStoreClient(LocalStoreClient):
         return fence
 
     def sync(self, idx: Tensor, *, since: int) -> Sync:
-        return self._get(self.store.sync.remote(idx, since=since))
+        return self._get(self.store.sync.remote(idx, since=since, fence=self.fence))
 
     def step(self, idx: Tensor, z_new: Tensor, next_idx: Tensor, *, since: int,
              worker: str = "0", seq: int | None = None) -> Any:
@@ -251,16 +301,16 @@ class ActorStoreClient(LocalStoreClient):
                                                   fence=self.fence))
 
     def snapshot(self) -> tuple[Tensor, int]:
-        return self._get(self.store.snapshot.remote())
+        return self._get(self.store.snapshot.remote(fence=self.fence))
 
     def check_state(self) -> dict:
-        return self._get(self.store.check_state.remote())
+        return self._get(self.store.check_state.remote(fence=self.fence))
 
     def set_meta(self, key: str, value: Any) -> None:
-        self._get(self.store.set_meta.remote(key, value))
+        self._get(self.store.set_meta.remote(key, value, fence=self.fence))
 
     def get_meta(self, key: str) -> Any:
-        return self._get(self.store.get_meta.remote(key))
+        return self._get(self.store.get_meta.remote(key, fence=self.fence))
 
     def stats(self) -> dict[str, float]:
         return self._get(self.store.stats.remote())
