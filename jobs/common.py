@@ -288,15 +288,12 @@ def write_synthetic_shards(out: Path, *, dataset: str, num_classes: int, size: t
 
 def connect_ray() -> bool:
     """Connect to the cluster at ``RAY_ADDRESS`` (set by ``ray job submit``) or, without
-    it, start a local Ray instance (``address="local"``: never attach to some other
-    cluster found through ``/tmp/ray/ray_current_cluster``). No-op when already connected;
-    returns whether this call connected."""
-    import ray
+    it, start a local Ray instance bound to 127.0.0.1 (``address="local"``: never attach to
+    some other cluster found through ``/tmp/ray/ray_current_cluster``). No-op when already
+    connected; returns whether this call connected (:func:`pipeline.ray_train.init_ray`)."""
+    from pipeline.ray_train import init_ray
 
-    if ray.is_initialized():
-        return False
-    ray.init(address=None if os.environ.get("RAY_ADDRESS") else "local")
-    return True
+    return init_ray()
 
 
 def run_job(args: argparse.Namespace, *, job: str, run: RunConfig, dist: DistConfig,

@@ -2,7 +2,8 @@
 
 Driver (:func:`fit_distributed`, called by the jobs in ``jobs/``)::
 
-    ray.init()                        RAY_ADDRESS if set (ray job submit), else a new local Ray
+    init_ray()                        RAY_ADDRESS if set (ray job submit), else a new local Ray
+                                      bound to 127.0.0.1
     label view -> ray.put             every worker gets it by reference
     StoreActor (ray.remote)           "lccn-store-<run_name>", created here, never by a worker:
                                       observed labels, z_init = observed (clean for LCCN+
@@ -36,6 +37,37 @@ from pipeline.confusion_store import ConfusionStore
 from pipeline.dist_worker import DistConfig, load_state, run_worker
 from pipeline.labels import LabelView
 from pipeline.store_actor import ActorStoreClient, create_store_actor, store_actor_name
+
+
+LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def init_ray(**kwargs: Any) -> bool:
+    """Connect to the cluster at ``RAY_ADDRESS`` (set by ``ray job submit``) or, without it,
+    start a local Ray instance bound to 127.0.0.1 only. No-op when already connected;
+    returns whether this call connected. ``kwargs`` go to ``ray.init``.
+
+    Local only: Ray's servers (GCS, raylet, workers, object manager) bind to the node's IP,
+    which Ray on Linux takes from the network, so a plain ``ray.init()`` listens on every
+    interface. With ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` Ray uses the loopback address as
+    the node IP (what it does on macOS) and every server binds 127.0.0.1. The variable is
+    set for this process and the ones Ray starts (read when ``ray`` is imported, so the
+    module's constant is set too if ``ray`` is already loaded). Never used with
+    ``RAY_ADDRESS``: a cluster keeps its own addresses.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(**kwargs)
+        return True
+    os.environ[LOCAL_ONLY_ENV] = "0"
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    ray.init(address="local", **kwargs)
+    return True
 
 
 class RaySession:
@@ -110,7 +142,7 @@ def fit_distributed(run: RunConfig, dist: DistConfig, view: LabelView, *,
                     max_failures: int = 1, threads_per_worker: int | None = None,
                     cpus_per_worker: float = 1.0) -> dict[str, Any]:
     """Run (or resume) ``dist.run_name`` on the Ray cluster this process is connected to
-    (``ray.init()`` first if it is not).
+    (:func:`init_ray` first if it is not).
 
     Returns ``{"metrics": rank 0's last reported metrics, "checkpoint": path of the final
     checkpoint, "state": its state dict, "phi": (K_latent, K) float64 learned transition
@@ -121,8 +153,7 @@ def fit_distributed(run: RunConfig, dist: DistConfig, view: LabelView, *,
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    if not ray.is_initialized():
-        ray.init(address=None if os.environ.get("RAY_ADDRESS") else "local")
+    init_ray()
     k = view.num_classes
     k_latent = k + 1 if (run.method == "lccn" and run.lccn.outlier) else k
     handle = name = None

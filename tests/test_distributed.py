@@ -270,9 +270,9 @@ def ray_cluster():
     key = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"  # read by the Train controller: detect failures fast
     old = os.environ.get(key)
     os.environ[key] = "0.5"
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    from pipeline.ray_train import init_ray
+
+    started = init_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     if started:
         ray.shutdown()

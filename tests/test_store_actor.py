@@ -132,12 +132,37 @@ def test_counters_survive_a_restart_through_the_checkpoint():
 @pytest.fixture(scope="module")
 def ray_local():
     ray = pytest.importorskip("ray")
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    from pipeline.ray_train import init_ray
+
+    started = init_ray(num_cpus=1, include_dashboard=False, log_to_driver=False)
     yield ray
     if started:
         ray.shutdown()
+
+
+@pytest.mark.ray
+def test_local_ray_listens_on_loopback_only(ray_local):
+    """The local Ray a job starts (init_ray) binds no port on another interface."""
+    import ipaddress
+
+    import psutil
+
+    if not ray_local.get_runtime_context().gcs_address.startswith("127.0.0.1:"):
+        pytest.skip("connected to an existing Ray, not the local one this module started")
+    procs = [psutil.Process(), *psutil.Process().children(recursive=True)]
+    listening = []
+    for proc in procs:
+        try:
+            conns = proc.net_connections(kind="inet")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        listening += [(proc.name(), c.laddr.ip, c.laddr.port) for c in conns
+                      if c.status == psutil.CONN_LISTEN]
+    names = {name for name, _, _ in listening}
+    assert {"gcs_server", "raylet"} <= names, listening
+    open_ = [(n, ip, port) for n, ip, port in listening
+             if not ipaddress.ip_address(ip.removeprefix("::ffff:")).is_loopback]
+    assert not open_, f"listening beyond loopback: {open_}"
 
 
 @pytest.mark.ray
