@@ -11,6 +11,19 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Settings of the user's shell that would send the suite's runs elsewhere: a tracking
+# server (`eval "$(infra/mlflow-server.sh)"` exports MLFLOW_TRACKING_URI), a Ray cluster
+# (`RAY_ADDRESS`), a runs folder. The suite uses its own temporary stores and local Ray.
+ISOLATED_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "MLFLOW_EXPERIMENT_NAME",
+                "MLFLOW_EXPERIMENT_ID", "MLFLOW_RUN_ID", "MLFLOW_TRACKING_TOKEN",
+                "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "RAY_ADDRESS",
+                "RAY_JOB_ID", "LCCN_RUNS")
+
+
+def pytest_configure(config) -> None:
+    for key in ISOLATED_ENV:
+        os.environ.pop(key, None)
+
 
 def shared_data_dir() -> Path:
     return Path(os.environ.get("LCCN_SHARED_DATA", REPO.parent / "shared" / "data"))
