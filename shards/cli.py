@@ -52,8 +52,17 @@ def _common(p: argparse.ArgumentParser, *, images: bool, resize_default: int = 0
                             "instead of failing")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m shards",
+def prog_name(module: str, argv0: str | None = None) -> str:
+    """The program name for usage lines: the console script's name (``lccn-shards``) when
+    run as one, else ``python -m <module>``."""
+    base = os.path.basename(argv0 if argv0 is not None else (sys.argv[0] if sys.argv else ""))
+    if not base or base.endswith(".py") or base in ("-c", "-m"):
+        return f"python -m {module}"
+    return base
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog or prog_name("shards"),
                                      description="Convert a dataset to WebDataset tar shards.")
     sub = parser.add_subparsers(dest="dataset", required=True)
 

@@ -169,7 +169,9 @@ def _parse_json_arg(text: str, what: str) -> dict[str, Any]:
 
 
 def get_args_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m shards.labelview", description=__doc__,
+    from shards.cli import prog_name
+
+    p = argparse.ArgumentParser(prog=prog_name("shards.labelview"), description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--split-dir", required=True, type=Path,
                    help="folder with manifest.json and the split's shards")
