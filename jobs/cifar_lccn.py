@@ -21,12 +21,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+from shards.labelview import CIFAR10_CLASSES  # noqa: E402
 
 JOB = "cifar_lccn"
 NOISE = {"cifar10": '{"kind": "asymmetric", "rate": 0.4, "seed": 0}',
          "cifar100": '{"kind": "cifar100_superclass", "rate": 0.4, "seed": 0}'}
 SMOKE = common.SmokeData(dataset="cifar10", num_classes=10, size=(32, 32),
-                         noise=NOISE["cifar10"])
+                         noise=NOISE["cifar10"], classes=CIFAR10_CLASSES)
 
 
 def get_args_parser() -> argparse.ArgumentParser:

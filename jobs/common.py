@@ -250,7 +250,8 @@ def load_view(args: argparse.Namespace, train: str) -> LabelView:
 
 def write_synthetic_shards(out: Path, *, dataset: str, num_classes: int, size: tuple[int, int],
                            n_train: int, n_test: int, seed: int, shard_size: int,
-                           noisy_web_labels: bool) -> tuple[Path, Path]:
+                           noisy_web_labels: bool,
+                           classes: tuple[str, ...] = ()) -> tuple[Path, Path]:
     """Generated RGB images of ``size`` (H, W) (a class colour plus noise, encoded as PNG)
     as ``out/train`` and ``out/test`` splits. ``noisy_web_labels``: the training split
     stores a web-like noisy ``label`` (30% flipped to the next class) with ``clean`` known
@@ -260,7 +261,9 @@ def write_synthetic_shards(out: Path, *, dataset: str, num_classes: int, size: t
 
     rng = np.random.default_rng(seed)
     colours = rng.integers(0, 256, size=(num_classes, 3))
-    classes = [f"class{c}" for c in range(num_classes)]
+    classes = list(classes) or [f"class{c}" for c in range(num_classes)]
+    if len(classes) != num_classes:
+        raise ValueError(f"{len(classes)} class names for {num_classes} classes")
     dirs = []
     for split, n in (("train", n_train), ("test", n_test)):
         if (out / split / "manifest.json").is_file():
@@ -384,6 +387,7 @@ class SmokeData:
     shard_size: int = 32
     noisy_web_labels: bool = False
     noise: str | None = None  # the label view spec used in the smoke test (None: --noise)
+    classes: tuple[str, ...] = ()  # class names (default class0, class1, ...)
 
 
 def dataset_parser(*, job: str, preset: Preset, description: str, epilog: str,
@@ -405,7 +409,8 @@ def dataset_main(args: argparse.Namespace, *, job: str, preset: Preset, smoke: S
         train_dir, test_dir = write_synthetic_shards(
             out, dataset=smoke.dataset, num_classes=smoke.num_classes, size=smoke.size,
             n_train=smoke.n_train, n_test=smoke.n_test, seed=args.seed,
-            shard_size=smoke.shard_size, noisy_web_labels=smoke.noisy_web_labels)
+            shard_size=smoke.shard_size, noisy_web_labels=smoke.noisy_web_labels,
+            classes=smoke.classes)
         args.train_shards, args.test_shards = str(train_dir), str(test_dir)
         if smoke.noise is not None:
             args.noise = smoke.noise

@@ -41,6 +41,43 @@ from pipeline.noise import format_transition, make_view, summary
 
 _SYNTHETIC = {"symmetric", "asymmetric", "pair_flip", "cifar100_superclass", "open_set"}
 
+# The class order the CIFAR-10 asymmetric map (pipeline.noise.CIFAR10_ASYM_MAP) is written
+# in, and the map by name: truck->automobile, bird->airplane, deer->horse, cat->dog.
+CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse",
+                   "ship", "truck")
+CIFAR10_ASYM_BY_NAME = {"truck": "automobile", "bird": "airplane", "deer": "horse",
+                        "cat": "dog"}
+
+
+def map_classes_by_name(spec: dict[str, Any], classes: list[str], *, where: str) -> dict[str, Any]:
+    """``spec`` with every ``"asymmetric"`` (CIFAR-10) part fitted to the split's class names.
+
+    The asymmetric map is defined on class names. A split whose classes are the CIFAR-10
+    names in the standard order keeps the spec as it is; the same names in another order
+    get the equivalent ``"pair_flip"`` on this split's indices; any other class list is
+    refused (``ValueError`` naming the split and its classes), since flipping by number
+    would corrupt the wrong classes. Other kinds are returned unchanged.
+    """
+    kind = spec.get("kind")
+    if kind == "open_set" and isinstance(spec.get("noise"), dict):
+        return {**spec, "noise": map_classes_by_name(spec["noise"], classes, where=where)}
+    if kind != "asymmetric":
+        return spec
+    names = [c.strip().lower() for c in classes]
+    if names == list(CIFAR10_CLASSES):
+        return spec
+    if sorted(names) != sorted(CIFAR10_CLASSES):
+        raise ValueError(
+            f"{where}: noise kind 'asymmetric' is the CIFAR-10 map by class name "
+            f"(truck->automobile, bird->airplane, deer->horse, cat->dog) but this split's "
+            f"classes are {classes}; use kind 'pair_flip' with a mapping of its indices")
+    mapping = {str(names.index(a)): names.index(b) for a, b in CIFAR10_ASYM_BY_NAME.items()}
+    if spec.get("swap_cat_dog"):
+        mapping[str(names.index("dog"))] = names.index("cat")
+    out = {"kind": "pair_flip", "mapping": mapping}
+    out.update({k: v for k, v in spec.items() if k in ("rate", "seed", "exact", "trusted")})
+    return out
+
 
 def read_split_labels(split_dir: str | Path, *, checksums: bool = False) -> dict[str, np.ndarray]:
     """Per-sample labels of a split, read from the ``<key>.json`` members of its shards.
@@ -147,6 +184,7 @@ def build_view(split_dir: str | Path, spec: dict[str, Any], *, labels_are_clean:
     if csv_key not in ("key", "idx"):
         raise ValueError(f"csv_key must be 'key' or 'idx', got {csv_key!r}")
     keys = list(lab["key"]) if csv_key == "key" else [sample_key(i) for i in lab["idx"]]
+    spec = map_classes_by_name(dict(spec), list(man.classes), where=str(split_dir))
     return make_view(spec, clean, man.num_classes, keys=keys, coarse=lab.get("coarse"),
                      observed=lab["label"])
 

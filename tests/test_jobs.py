@@ -96,7 +96,8 @@ def test_smoke_shards_and_views(tmp_path):
 
     tr, te = common.write_synthetic_shards(tmp_path / "c", dataset="cifar10", num_classes=10,
                                            size=(32, 32), n_train=64, n_test=16, seed=0,
-                                           shard_size=16, noisy_web_labels=False)
+                                           shard_size=16, noisy_web_labels=False,
+                                           classes=cifar_lccn.SMOKE.classes)
     assert Manifest.load(tr).num_samples == 64 and len(Manifest.load(te).shards) == 1
     view = build_view(tr, json.loads(cifar_lccn.NOISE["cifar10"]))
     assert (view.clean >= 0).all() and view.transition is not None

@@ -481,7 +481,7 @@ def _png(value: int) -> bytes:
 
 
 def make_split(root, *, dataset: str, labels, clean, per_shard: int, extra=None,
-               skip_idx: int | None = None):
+               skip_idx: int | None = None, classes=None):
     """Write ``root/<shards>`` + manifest.json; ``extra(idx)`` adds json fields."""
     root.mkdir(parents=True, exist_ok=True)
     n = len(labels)
@@ -499,8 +499,8 @@ def make_split(root, *, dataset: str, labels, clean, per_shard: int, extra=None,
                 count += 1
         shards.append(ShardInfo(name=name, num_samples=count, sha256=sha256_file(root / name),
                                 bytes=(root / name).stat().st_size))
-    Manifest(dataset=dataset, split="train", classes=[f"c{k}" for k in range(10)],
-             shards=shards).save(root)
+    Manifest(dataset=dataset, split="train",
+             classes=list(classes or [f"c{k}" for k in range(10)]), shards=shards).save(root)
     return root
 
 
@@ -508,7 +508,37 @@ def make_split(root, *, dataset: str, labels, clean, per_shard: int, extra=None,
 def cifar_split(tmp_path):
     labels = np.random.default_rng(0).integers(0, 10, 60)
     return make_split(tmp_path / "cifar10" / "train", dataset="cifar10", labels=labels,
-                      clean=labels, per_shard=32), labels
+                      clean=labels, per_shard=32, classes=labelview.CIFAR10_CLASSES), labels
+
+
+def test_asymmetric_maps_cifar10_classes_by_name(tmp_path, capsys):
+    """A split whose CIFAR-10 classes are in another order gets the flips of the names
+    (truck->automobile, ...), not of the standard indices; other names are refused."""
+    names = list(reversed(labelview.CIFAR10_CLASSES))  # truck=0, ..., airplane=9
+    labels = np.repeat(np.arange(10), 40)
+    split = make_split(tmp_path / "rev" / "train", dataset="cifar10", labels=labels,
+                       clean=labels, per_shard=100, classes=names)
+    view = labelview.build_view(split, {"kind": "asymmetric", "rate": 0.4, "seed": 0})
+    t = view.transition
+    ix = {n: names.index(n) for n in names}
+    for src, dst in labelview.CIFAR10_ASYM_BY_NAME.items():
+        assert t[ix[src], ix[dst]] == pytest.approx(0.4), (src, dst)
+        flipped = view.observed[view.clean == ix[src]]
+        assert set(np.unique(flipped)) == {ix[src], ix[dst]}
+    for unflipped in ("airplane", "automobile", "dog", "frog", "horse", "ship"):
+        assert t[ix[unflipped], ix[unflipped]] == 1.0
+        assert (view.observed[view.clean == ix[unflipped]] == ix[unflipped]).all()
+    # the same view is rebuilt from its spec on the same split
+    assert labelview.build_view(split, view.spec).observed.tolist() == view.observed.tolist()
+    # classes that are not the CIFAR-10 names: refused, naming them (exit code 2 on the CLI)
+    other = make_split(tmp_path / "other" / "train", dataset="cifar10", labels=labels,
+                       clean=labels, per_shard=100)
+    with pytest.raises(ValueError, match=r"CIFAR-10 map by class name.*'c0'"):
+        labelview.build_view(other, {"kind": "asymmetric", "rate": 0.4, "seed": 0})
+    assert labelview.main(["--split-dir", str(other), "--spec",
+                           '{"kind": "asymmetric", "rate": 0.4, "seed": 0}',
+                           "--out", str(tmp_path / "v.npz")]) == 2
+    assert "CIFAR-10 map by class name" in capsys.readouterr().err
 
 
 def test_read_split_labels(cifar_split):
