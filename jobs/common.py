@@ -216,11 +216,43 @@ def _source(path_or_url: str | os.PathLike | None) -> str | None:
     return s if "://" in s else str(Path(s).expanduser().resolve())
 
 
+def _check_local_split(path: Path, *, option: str, split: str) -> None:
+    """One clear line (SystemExit) when a local split folder is not there or is no split."""
+    from pipeline.manifest import MANIFEST_NAME
+
+    if (path / MANIFEST_NAME).is_file():
+        return
+    if option == "--data":
+        root = path.parent
+        if not root.is_dir():
+            raise SystemExit(f"error: --data {root}: no such folder")
+        if (root / MANIFEST_NAME).is_file():
+            raise SystemExit(f"error: --data {root} is a split folder (it holds "
+                             f"{MANIFEST_NAME}); --data takes the shard root that holds "
+                             f"{split}/ (or pass --train-shards {root})")
+        have = sorted(p.name for p in root.iterdir() if (p / MANIFEST_NAME).is_file())
+        hint = (f"its splits are {have}: pick one with --train-split" if have else
+                "convert a dataset first with `python -m shards` (lccn-shards)")
+        raise SystemExit(f"error: --data {root}: no split {split!r} ({path / MANIFEST_NAME} "
+                         f"is missing); {hint}")
+    if not path.is_dir():
+        raise SystemExit(f"error: {option} {path}: no such folder")
+    splits = sorted(p.name for p in path.iterdir() if (p / MANIFEST_NAME).is_file())
+    if splits:
+        raise SystemExit(f"error: {option} {path} is a shard root with splits {splits}, not "
+                         f"a split folder; pass {option} {path / splits[0]} or --data {path}")
+    raise SystemExit(f"error: {option} {path}: no {MANIFEST_NAME} (not a converted split)")
+
+
 def resolve_sources(args: argparse.Namespace) -> tuple[str, str | None]:
     train = args.train_shards or (args.data / args.train_split if args.data else None)
     test = args.test_shards or (args.data / args.test_split if args.data else None)
     if train is None:
         raise SystemExit("error: give --data DIR (or --train-shards), or run --smoke-test")
+    if "://" not in str(train):
+        _check_local_split(Path(train).expanduser(),
+                           option="--train-shards" if args.train_shards else "--data",
+                           split=args.train_split)
     if test is not None and "://" not in str(test) and not Path(test).is_dir():
         print(f"note: no test split at {test}; training without evaluation", flush=True)
         test = None
@@ -418,7 +450,10 @@ def dataset_main(args: argparse.Namespace, *, job: str, preset: Preset, smoke: S
                    f"{smoke.size[0]}x{smoke.size[1]} images, {smoke.num_classes} classes in {out}; "
                    f"label view {args.noise}")
     train, test = resolve_sources(args)
-    view = load_view(args, train)
+    try:
+        view = load_view(args, train)
+    except ValueError as e:  # ManifestError (a shard that does not match), a bad --noise spec
+        raise SystemExit(f"error: {e}") from None
     run = run_config(args)
     dist = dist_config(args, run_name=args.run_name, train=train, test=test,
                        class_names=manifest_classes(train), transform=preset.transform)

@@ -120,6 +120,12 @@ def convert(
             extra = sorted(set(dirs) - set(classes))
             if extra:
                 raise ShardError(f"{src / split}: class folder(s) {extra} not in the class list")
+        # a listed class may be missing from one split, not from every split of src
+        anywhere = set(found).union(*(_visible_dirs(src / s) for s in find_splits(src)))
+        absent = [c for c in classes if c not in anywhere]
+        if absent:
+            raise ShardError(f"{src}: class(es) {absent} of the class list have no folder in "
+                             f"any split (class folders: {sorted(anywhere)})")
     if not classes:
         raise ShardError(f"{src}: no class folders under {splits}")
     opts = WriterOptions(shard_size=shard_size, workers=workers, resize_short=resize_short,

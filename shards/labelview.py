@@ -103,15 +103,23 @@ def read_split_labels(split_dir: str | Path, *, checksums: bool = False) -> dict
     for shard in man.shards:
         path = split_dir / shard.name
         count = 0
-        with tarfile.open(path, "r:") as tar:
-            for member in tar:
+        try:
+            tar = tarfile.open(path, "r:")
+        except tarfile.TarError as e:
+            raise ManifestError(f"{path}: not a readable tar archive ({e}); re-convert the "
+                                "split or restore the shard") from None
+        with tar:
+            for member in _members(tar, path):
                 if not member.isfile() or not member.name.endswith(".json"):
                     continue
                 where = f"{path}: member {member.name}"
                 stem = Path(member.name).name[: -len(".json")]
-                f = tar.extractfile(member)
                 try:
-                    rec = json.loads(f.read())
+                    raw = tar.extractfile(member).read()
+                except (tarfile.TarError, EOFError, OSError) as e:
+                    raise ManifestError(f"{where}: cannot read ({e})") from None
+                try:
+                    rec = json.loads(raw)
                 except (json.JSONDecodeError, UnicodeDecodeError) as e:
                     raise ManifestError(f"{where}: invalid JSON ({e})") from None
                 idx = _int_field(rec, "idx", where)
@@ -148,6 +156,19 @@ def read_split_labels(split_dir: str | Path, *, checksums: bool = False) -> dict
     elif has_coarse:
         raise ManifestError(f"{split_dir}: only {has_coarse} of {n} samples have 'coarse'")
     return out
+
+
+def _members(tar: tarfile.TarFile, path: Path):
+    """The members of ``tar``; a damaged archive raises ManifestError naming the shard."""
+    it = iter(tar)
+    while True:
+        try:
+            member = next(it)
+        except StopIteration:
+            return
+        except (tarfile.TarError, EOFError, OSError) as e:
+            raise ManifestError(f"{path}: damaged tar archive ({e})") from None
+        yield member
 
 
 def _int_field(rec: Any, name: str, where: str) -> int:

@@ -108,6 +108,39 @@ def test_smoke_shards_and_views(tmp_path):
     assert (view.clean == -1).sum() == 28 and view.noise_rate() > 0
 
 
+def test_bad_data_paths_give_one_clear_line(tmp_path, capsys):
+    """A missing --data folder, a split folder given as --data, a shard root given as
+    --train-shards, a root without converted splits, and a corrupt shard each end the job
+    with one line naming the path (SystemExit with a message: no traceback), before Ray."""
+    tr, _ = common.write_synthetic_shards(tmp_path / "c10", dataset="cifar10", num_classes=10,
+                                          size=(8, 8), n_train=40, n_test=10, seed=0,
+                                          shard_size=10, noisy_web_labels=False,
+                                          classes=cifar_lccn.SMOKE.classes)
+    (tmp_path / "raw" / "cifar-10-batches-py").mkdir(parents=True)
+    base = ["--no-tracking", "--run-dir", str(tmp_path / "runs")]
+    cases = [
+        (["--data", str(tmp_path / "missing")], f"--data {tmp_path / 'missing'}: no such folder"),
+        (["--data", str(tr)], f"--data {tr} is a split folder"),
+        (["--train-shards", str(tmp_path / "c10")],
+         f"--train-shards {tmp_path / 'c10'} is a shard root with splits ['test', 'train']"),
+        (["--data", str(tmp_path / "raw")], "convert a dataset first"),
+        (["--data", str(tmp_path / "c10"), "--train-split", "val"], "its splits are ['test', 'train']"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as e:
+            cifar_lccn.main([*argv, *base])
+        assert isinstance(e.value.code, str) and e.value.code.startswith("error: "), argv
+        assert message in e.value.code and "\n" not in e.value.code, (argv, e.value.code)
+    # same size, other bytes: the manifest's size check passes, the label read does not
+    shard = sorted(tr.glob("*.tar"))[0]
+    data = bytearray(shard.read_bytes())
+    data[:100] = b"x" * 100
+    shard.write_bytes(bytes(data))
+    with pytest.raises(SystemExit) as e:
+        cifar_lccn.main(["--data", str(tmp_path / "c10"), *base])
+    assert e.value.code.startswith("error: ") and str(shard) in e.value.code, e.value.code
+
+
 # -- `ray job submit` against a head node started here ------------------------------------------
 
 

@@ -388,6 +388,11 @@ def test_imagefolder_class_list_and_unverified_labels(jpeg_tree, tmp_path):
     with pytest.raises(ShardError, match=r"class folder\(s\) \['bird'\] not in the class list"):
         imagefolder.convert(jpeg_tree, tmp_path / "b", classes=["airplane", "cat"],
                             progress=False)
+    # a listed class without a folder in any split would be an empty class: refused
+    with pytest.raises(ShardError, match=r"class\(es\) \['zebra'\] of the class list have no folder"):
+        imagefolder.convert(jpeg_tree, tmp_path / "c", classes=[*CLASSES, "zebra"],
+                            progress=False)
+    assert not (tmp_path / "c").exists()
 
 
 def test_imagefolder_order_on_the_full_cifar10_tree(shared_data):
