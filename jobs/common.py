@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -371,15 +372,41 @@ def run_job(args: argparse.Namespace, *, job: str, run: RunConfig, dist: DistCon
         if view.transition is not None:
             print("true transition:")
             print(format_transition(view.transition))
-    keys = ("test_top1", "label_recovery", "transition_error", "staleness", "staleness_max",
-            "sync_time", "sampler_share", "steps_per_s", "images_per_s")
-    print(f"[{job}] done in {seconds:.0f} s: " + "  ".join(
-        f"{key} {metrics[key]:.4g}" for key in keys if isinstance(metrics.get(key), float)),
-        flush=True)
+    print(f"[{job}] done in {seconds:.0f} s: " + summary_line(metrics), flush=True)
+    summary["metrics"] = measured(metrics)
     out_dir = Path(dist.run_dir) / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"{dist.run_name}.json").write_text(json.dumps(summary, indent=1, default=str))
+    (out_dir / f"{dist.run_name}.json").write_text(
+        json.dumps(json_safe(summary), indent=1, default=str, allow_nan=False))
     return summary
+
+
+def json_safe(obj: Any) -> Any:
+    """``obj`` with every NaN/infinite float replaced by None (strict JSON)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+SUMMARY_KEYS = ("test_top1", "label_recovery", "transition_error", "staleness",
+                "staleness_max", "sync_time", "sampler_share", "steps_per_s", "images_per_s")
+
+
+def measured(metrics: dict[str, Any]) -> dict[str, Any]:
+    """``metrics`` without the values that could not be measured (NaN or infinite: e.g. the
+    transition error of a run on the dataset's own labels, which has no true transition)."""
+    return {k: v for k, v in metrics.items()
+            if not (isinstance(v, float) and not math.isfinite(v))}
+
+
+def summary_line(metrics: dict[str, Any], keys: tuple[str, ...] = SUMMARY_KEYS) -> str:
+    """``key value`` pairs of the measured ``keys`` (what cannot be measured is left out)."""
+    m = measured(metrics)
+    return "  ".join(f"{key} {m[key]:.4g}" for key in keys if isinstance(m.get(key), float))
 
 
 def prepare(args: argparse.Namespace, *, job: str, preset: Preset) -> list[str]:

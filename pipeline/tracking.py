@@ -266,10 +266,45 @@ class Tracker:
 
     def log_curves(self, history: Sequence[Mapping[str, float]], *,
                    keys: Sequence[str] = ("test_top1", "label_recovery", "transition_error")
-                   ) -> None:
-        """Curves of ``keys`` over the epochs of ``history`` as ``curves.png``."""
+                   ) -> list[str]:
+        """Curves of ``keys`` over the epochs of ``history`` as ``curves.png``.
+
+        A key the rows lack is taken from this run's metric history in MLflow (step =
+        the row's ``epoch``): metrics computed at checkpoint time, such as
+        ``transition_error``, are logged but not kept in the rows. A key with no finite
+        value anywhere (``transition_error`` without a true transition) gets no panel;
+        with no key left nothing is logged. Returns the keys drawn.
+        """
         self._need_run()
-        self._log_figure(plots.curves(history, keys=keys), "curves.png")
+        rows, drawn = self.curve_rows(history, keys=keys)
+        if drawn:
+            self._log_figure(plots.curves(rows, keys=drawn), "curves.png")
+        return drawn
+
+    def curve_rows(self, history: Sequence[Mapping[str, float]], *,
+                   keys: Sequence[str]) -> tuple[list[dict], list[str]]:
+        """``history`` with the values of ``keys`` filled in from MLflow where a row has
+        none, and the keys that have at least one finite value (see :meth:`log_curves`)."""
+        rows = [dict(r) for r in history]
+
+        def finite(v: Any) -> bool:
+            try:
+                return math.isfinite(float(v))
+            except (TypeError, ValueError):
+                return False
+
+        drawn = []
+        for key in keys:
+            if any(not finite(r.get(key)) for r in rows):
+                logged = {int(m.step): float(m.value)
+                          for m in self.client.get_metric_history(self.run_id, key)}
+                for i, r in enumerate(rows):
+                    step = int(r.get("epoch", i))
+                    if not finite(r.get(key)) and step in logged:
+                        r[key] = logged[step]
+            if any(finite(r.get(key)) for r in rows):
+                drawn.append(key)
+        return rows, drawn
 
     def log_final(self, phi, *, checkpoint_dir: str | os.PathLike | None = None,
                   class_names: Sequence[str] | None = None) -> None:

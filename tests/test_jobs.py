@@ -108,6 +108,17 @@ def test_smoke_shards_and_views(tmp_path):
     assert (view.clean == -1).sum() == 28 and view.noise_rate() > 0
 
 
+def test_summary_leaves_out_what_was_not_measured():
+    """A run on the dataset's labels has no true transition: its transition error is NaN
+    and must not be printed or written (NaN is not JSON either)."""
+    metrics = {"test_top1": 0.71, "transition_error": float("nan"), "staleness": 0.0,
+               "images_per_s": float("inf"), "epoch": 4.0}
+    line = common.summary_line(metrics)
+    assert line == "test_top1 0.71  staleness 0"
+    assert common.measured(metrics) == {"test_top1": 0.71, "staleness": 0.0, "epoch": 4.0}
+    json.dumps(common.measured(metrics), allow_nan=False)
+
+
 def test_bad_data_paths_give_one_clear_line(tmp_path, capsys):
     """A missing --data folder, a split folder given as --data, a shard root given as
     --train-shards, a root without converted splits, and a corrupt shard each end the job

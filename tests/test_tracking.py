@@ -236,8 +236,19 @@ def test_run_lifecycle(backend, run_config, phi_star, tmp_path):
     tracker.log_transition(phi_star, epoch=3, truth=np.eye(10), class_names=CLASSES,
                            log_scale=True)
     tracker.log_transition(phi_star, epoch=4, class_names=CLASSES)
-    tracker.log_curves([{"epoch": 0, "test_top1": 0.3, "label_recovery": 0.6},
-                        {"epoch": 1, "test_top1": 0.4, "label_recovery": 0.7}])
+    # transition_error is logged at checkpoint time but not kept in the epoch rows: the
+    # curves take it from MLflow; a key measured nowhere gets no panel
+    tracker.log_metrics({"transition_error": 0.2}, step=0)
+    tracker.log_metrics({"transition_error": 0.1}, step=1)
+    history = [{"epoch": 0, "test_top1": 0.3, "label_recovery": 0.6},
+               {"epoch": 1, "test_top1": 0.4, "label_recovery": 0.7}]
+    rows, drawn = tracker.curve_rows(history, keys=("test_top1", "transition_error", "gone"))
+    assert drawn == ["test_top1", "transition_error"]
+    assert [r["transition_error"] for r in rows] == [0.2, 0.1]
+    assert "transition_error" not in history[0]  # the caller's rows are left alone
+    assert tracker.log_curves(history) == ["test_top1", "label_recovery", "transition_error"]
+    assert tracker.log_curves([{"epoch": 0, "label_recovery": float("nan")}],
+                              keys=("label_recovery",)) == []
 
     # final transition and checkpoint
     ckpt = tmp_path / "ckpt"
