@@ -25,7 +25,8 @@ the actor by name and runs :func:`pipeline.dist_worker.run_worker`.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict
+import sys
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +110,57 @@ class RaySession:
     def report(self, metrics: dict[str, float], checkpoint_dir: str | None) -> None:
         ckpt = (self._train.Checkpoint.from_directory(checkpoint_dir)
                 if checkpoint_dir is not None else None)
+        if self.rank == 0 and self.progress is not None and "loss" in metrics:
+            # sys.__stdout__: Ray Train's print patch would also tee a print to a wrapped
+            # sys.stdout, and the line would show twice
+            print(progress_line(metrics, **self.progress), file=sys.__stdout__, flush=True)
         self._train.report(metrics, checkpoint=ckpt)
+
+    progress: dict[str, Any] | None = None
+
+
+PROGRESS_KEYS = ("loss", "test_top1", "label_recovery", "transition_error")
+
+
+def progress_line(row: dict[str, float], *, run_name: str, epochs: int,
+                  pretrain_epochs: int, method: str) -> str:
+    """One line per epoch (rank 0): ``[run] epoch 3/30 lccn  loss 0.321  test_top1 0.912
+    ... 4.1 s``; values that were not measured (NaN) are left out."""
+    import math
+
+    e = int(row.get("epoch", -1)) + 1
+    phase = "ce" if method == "ce" or e <= pretrain_epochs else method
+    vals = "  ".join(f"{k} {row[k]:.3f}" for k in PROGRESS_KEYS
+                     if isinstance(row.get(k), float) and math.isfinite(row[k]))
+    took = f"  {row['epoch_time']:.1f} s" if "epoch_time" in row else ""
+    return f"[{run_name}] epoch {e}/{epochs} {phase:4s} {vals}{took}"
+
+
+def _quiet_ray_train_reports() -> None:
+    """Ray Train logs every ``ray.train.report`` call (the whole metrics dict, every rank)
+    and every checkpoint at INFO; the per-epoch progress line replaces them."""
+    import logging
+
+    try:
+        from ray.train.v2._internal.execution import context, storage
+    except ImportError:  # another Ray layout: keep its logging
+        return
+    for module in (context, storage):  # "Reporting training result", "Checkpoint ... created"
+        logging.getLogger(module.__file__).setLevel(logging.WARNING)
+        logging.getLogger(module.__name__).setLevel(logging.WARNING)
+
+
+def _writable(view: LabelView) -> LabelView:
+    """A copy of ``view`` whose arrays are writable (``ray.get`` returns read-only numpy
+    arrays; torch warns on every ``from_numpy`` of one)."""
+    import numpy as np
+
+    def copy(a: Any) -> Any:
+        return None if a is None else np.array(a)
+
+    return replace(view, observed=copy(view.observed), clean=copy(view.clean),
+                   trusted=copy(view.trusted), ood=copy(view.ood),
+                   transition=copy(view.transition))
 
 
 def train_loop_per_worker(config: dict) -> None:
@@ -119,12 +170,16 @@ def train_loop_per_worker(config: dict) -> None:
 
     run = from_dict(RunConfig, config["run"])
     dist = DistConfig(**config["dist"])
-    view = ray.get(config["view"])
+    view = _writable(ray.get(config["view"]))
+    _quiet_ray_train_reports()
     store = None
     if config["store"] is not None:
         store = ActorStoreClient(ray.get_actor(config["store"], namespace=config["namespace"]))
     torch.set_num_threads(max(1, int(config.get("threads", 1))))
-    run_worker(run, dist, view, store, RaySession())
+    session = RaySession()
+    session.progress = {"run_name": dist.run_name, "epochs": run.optim.epochs,
+                        "pretrain_epochs": run.optim.pretrain_epochs, "method": run.method}
+    run_worker(run, dist, view, store, session)
 
 
 def initial_assignment_placeholder(view: LabelView, run: RunConfig) -> tuple[Tensor, Tensor | None]:

@@ -233,7 +233,7 @@ EPOCHS, PRETRAIN, CKPT_EVERY = 6, 2, 8
 RAY_ARGS = ["--epochs", str(EPOCHS), "--pretrain-epochs", str(PRETRAIN), "--batch-size", "64",
             "--lr", "0.05", "--milestones", "--lr-values", "--warmup-steps", "5",
             "--loader-workers", "0", "--shuffle-buffer", "100",
-            "--checkpoint-every", str(CKPT_EVERY)]
+            "--checkpoint-every", str(CKPT_EVERY), "--no-baseline"]
 
 
 def _epoch_steps(train_dir: Path, world_size: int) -> list[int]:

@@ -16,6 +16,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,6 +107,41 @@ def test_smoke_shards_and_views(tmp_path):
                                           shard_size=28, noisy_web_labels=True)
     view = build_view(tr, {"kind": "dataset"})
     assert (view.clean == -1).sum() == 28 and view.noise_rate() > 0
+
+
+def test_quickstart_says_what_the_noise_rate_means(tmp_path):
+    """rate r flips r of the four source classes, about 0.4 r of all labels."""
+    train, _ = quickstart_ray.write_digits_shards(tmp_path, seed=0)
+    view = quickstart_ray.digits_view(train, rate=0.4, seed=0)
+    note = quickstart_ray.noise_note(view, 0.4)
+    src = np.isin(view.clean, [2, 3, 4, 9])
+    within = (view.observed != view.clean)[src].mean()
+    assert abs(within - 0.4) < 0.05 and abs(view.noise_rate() - 0.4 * src.mean()) < 0.03
+    assert f"realised {within:.3f} within those classes" in note
+    assert f"{view.noise_rate():.3f} of all labels" in note
+    assert "2->0, 3->5, 4->7, 9->1" in note
+    assert "0.4 x r" in quickstart_ray.get_args_parser().format_help()
+
+
+def test_quickstart_closes_with_lccn_beside_ce_and_the_mlflow_command():
+    lccn = {"metrics": {"test_top1": 0.934}, "tracking_uri": "sqlite:////r/mlflow.db",
+            "experiment": "lccn-quickstart_ray"}
+    lines = quickstart_ray.comparison(lccn, {"metrics": {"test_top1": 0.871}}, epochs=30)
+    assert lines[0].endswith("CE 0.871  LCCN 0.934  (+6.3 points)")
+    assert lines[1].endswith("mlflow ui --backend-store-uri sqlite:////r/mlflow.db")
+    assert "no CE baseline" in quickstart_ray.comparison(lccn, None, epochs=30)[0]
+
+
+def test_progress_line_per_epoch():
+    from pipeline.ray_train import progress_line
+
+    row = {"epoch": 9.0, "loss": 0.25, "test_top1": 0.9, "label_recovery": 0.95,
+           "transition_error": float("nan"), "epoch_time": 4.04}
+    line = progress_line(row, run_name="r", epochs=30, pretrain_epochs=8, method="lccn")
+    assert line == "[r] epoch 10/30 lccn loss 0.250  test_top1 0.900  label_recovery 0.950  4.0 s"
+    row["epoch"] = 7.0
+    assert "epoch 8/30 ce " in progress_line(row, run_name="r", epochs=30, pretrain_epochs=8,
+                                             method="lccn")
 
 
 def test_summary_leaves_out_what_was_not_measured():
@@ -252,6 +288,10 @@ def test_ray_job_submit_quickstart_smoke(ray_head, tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "[quickstart_ray] done in" in out, out[-4000:]
+    # one progress line per epoch (rank 0, once), not Ray's raw report dicts
+    assert "Reporting training result" not in out
+    assert [out.count(f"] epoch {e}/3 ") for e in (1, 2, 3)] == [1, 1, 1], out[-4000:]
+    assert "not writable" not in out
     found = sorted((run_dir / "results").glob("quickstart_ray-lccn-smoke-*.json"))
     assert len(found) == 1, found  # a new, timestamped run name when none is given
     result = json.loads(found[0].read_text())
