@@ -1,6 +1,6 @@
 """Confusion counts C between latent and observed labels, and the transition they define.
 
-Conventions (DESIGN.md):
+Conventions (docs/design.md):
 
 - ``C[k, j]``: number of samples whose current latent label is ``k`` and observed label is
   ``j``. Shape ``(K_latent, K)``; ``K_latent = K`` (LCCN) or ``K + 1`` (LCCN*, last row =
@@ -84,7 +84,7 @@ def transition(counts: Tensor, alpha: float | Tensor = 0.0) -> Tensor:
 
 def check_invariants(counts: Tensor, latent: Tensor, observed: Tensor, *,
                      counted: Tensor | None = None) -> None:
-    """Raise ``AssertionError`` naming the broken invariant of DESIGN.md.
+    """Raise ``AssertionError`` naming the broken invariant (docs/design.md).
 
     1. C >= 0 and C.sum() equals the number of counted samples;
     2. column sums of C equal the histogram of observed labels over counted samples;

@@ -160,7 +160,7 @@ class ConfusionStore:
         return transition(self.counts, alpha)
 
     def check(self) -> None:
-        """Assert the invariants of DESIGN.md (cheap enough to run at every checkpoint)."""
+        """Assert the invariants of docs/design.md (cheap enough to run at every checkpoint)."""
         check_invariants(self.counts, self.z, self.observed, counted=self.counted)
 
     def state_dict(self) -> dict:

@@ -126,7 +126,7 @@ OodTransform = Callable[..., np.ndarray]
 
 @dataclass(frozen=True)
 class LoaderConfig:
-    """Options of the shard loader (one per data concern; see STYLE.md).
+    """Options of the shard loader (one dataclass per concern).
 
     batch_size:       target samples per batch on each rank (the largest rank's batches
                       have this size; smaller ranks spread theirs over as many steps).

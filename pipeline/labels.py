@@ -3,7 +3,7 @@
 A label view is what turns one set of shards into many experiments: synthetic noise of any
 type and rate, or real annotator noise from a ``key,label`` file, all over the same shards.
 
-Conventions (see DESIGN.md):
+Conventions (see docs/design.md):
 
 - ``observed: (N,) int64`` in ``[0, K)``: the label the model sees (noisy / web label).
 - ``clean: (N,) int64``: the true label where known, ``-1`` where unknown, ``K`` for an

@@ -7,7 +7,7 @@ other trackers in the same process, and in threads. The tracker never reads the 
 caller decides who tracks.
 
 Every hot-path call is one request: parameters and metrics go through ``log_batch`` (one
-``log_metric`` over HTTP costs ~51 ms, see PLATFORM.md). Figures are
+``log_metric`` over HTTP costs ~51 ms, see docs/operations.md). Figures are
 ``matplotlib.figure.Figure`` objects built by :mod:`pipeline.plots` without pyplot, saved
 through the Agg canvas and dropped after upload, so nothing accumulates over epochs.
 
