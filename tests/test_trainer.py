@@ -12,7 +12,7 @@ import torch
 from pipeline.config import LCCNConfig, ModelConfig, OptimConfig, RunConfig, from_dict
 from pipeline.digits import clean_view, load_digits_arrays, split_indices, to_tensor
 from pipeline.labels import LabelView
-from pipeline.noise import open_set, trusted_subset
+from pipeline.noise import CIFAR10_ASYM_MAP, open_set, pair_flip, trusted_subset
 from pipeline.trainer import LocalTrainer, TensorData
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "jobs"))
@@ -50,34 +50,85 @@ def _short_cfg(**lccn):
                      lccn=LCCNConfig(**lccn))
 
 
-def test_epoch_metrics_are_plain_floats_and_invariants_hold():
+def test_epoch_metrics_and_chain_invariants_after_training():
+    """After 1 CE + 2 LCCN epochs: C is the recount of z, the store applied one commit per
+    LCCN step, the reported transition error is mean |phi - T|
+    of the final C, gamma follows the annealing schedule, and the model learned."""
     xtr, ytr, xte, yte = _digits()
-    trainer = LocalTrainer(_short_cfg(warmup_steps=5, anneal=True), TensorData(xtr, clean_view(ytr)),
-                           TensorData(xte, clean_view(yte)))
+    view = pair_flip(ytr, 10, CIFAR10_ASYM_MAP, 0.4, seed=0)
+    trainer = LocalTrainer(_short_cfg(warmup_steps=5, anneal=True),
+                           TensorData(xtr, view), TensorData(xte, clean_view(yte)))
     hist = trainer.fit()
-    for key in ("loss", "test_top1", "label_recovery", "transition_error", "step_time",
-                "sampler_share", "staleness"):
-        assert isinstance(hist[-1][key], float), key
-    assert hist[-1]["gamma"] < 1.0  # annealing is on
+    store = trainer.store
+    z, obs = store.z.numpy(), store.observed.numpy()
+    recount = np.zeros((10, 10), np.int64)
+    np.add.at(recount, (z, obs), 1)
+    np.testing.assert_array_equal(store.counts.numpy(), recount)
+    lccn_steps = int(sum(r["steps"] for r in hist[1:]))
+    assert [r["phase"] for r in hist] == [0.0, 1.0, 1.0]
+    assert store.version == lccn_steps == trainer.labeler.step_count  # z0 is the start state
+    phi = recount / recount.sum(1, keepdims=True)
+    assert hist[-1]["transition_error"] == pytest.approx(np.abs(phi - view.transition).mean())
+    # gamma of the last step: max(exp(-0.8 step / max_step), 0.5) at step = lccn_steps - 1
+    expected = max(np.exp(-0.8 * (lccn_steps - 1) / lccn_steps), 0.5)
+    assert hist[-1]["gamma"] == pytest.approx(expected)
     assert hist[-1]["staleness"] == 0.0  # one worker sees every commit
-    trainer.store.check()
+    assert hist[-1]["test_top1"] > 0.5 and hist[-1]["loss"] < hist[0]["loss"]
 
 
-def test_lccn_star_outlier_row_and_lccn_plus_trusted_hooks():
+def test_lccn_star_outlier_row_and_lccn_plus_trusted_targets(monkeypatch):
+    """LCCN*: pixel-shuffled (open-set) samples end in the outlier latent class far more
+    often than real ones. LCCN+: trusted samples are trained on their clean label (the
+    targets the labeler returns), even where their observed label is wrong."""
+    from pipeline import lccn
+
     xtr, ytr, xte, yte = _digits()
     view = open_set(ytr, 10, 0.2, seed=0)
     view = trusted_subset(view, 0.1, seed=0)
+    trusted = torch.from_numpy(view.trusted)
+    clean = torch.from_numpy(view.clean)
+    seen = {"trusted": 0, "wrong_observed": 0}
+    real_sample = lccn.GibbsLabeler.sample
+
+    def recording_sample(self, probs, observed, idx):
+        z, stats = real_sample(self, probs, observed, idx)
+        t = trusted[idx]
+        assert torch.equal(z[t], clean[idx][t]), "a trusted sample got a sampled target"
+        seen["trusted"] += int(t.sum())
+        seen["wrong_observed"] += int((t & (observed != clean[idx])).sum())
+        return z, stats
+
+    monkeypatch.setattr(lccn.GibbsLabeler, "sample", recording_sample)
     cfg = _short_cfg(outlier=True, use_trusted=True, warmup="identity", init="observed")
     trainer = LocalTrainer(cfg, TensorData(xtr, view), TensorData(xte, clean_view(yte)))
     assert trainer.k_latent == 11
     trainer.fit()
     store = trainer.store
-    assert store.counts.shape == (11, 10)
-    trusted = torch.from_numpy(view.trusted)
-    # trusted samples are never counted and keep their clean label
+    assert seen["trusted"] == 2 * int(trusted.sum())  # every trusted sample, both LCCN epochs
+    assert seen["wrong_observed"] > 0  # the check above saw trusted samples with wrong labels
     assert int(store.counts.sum()) == int((~trusted).sum())
-    assert torch.equal(store.z[trusted], torch.from_numpy(view.clean)[trusted])
-    assert trainer.model(xtr[:2]).shape == (2, 11)
+    store.check()
+    # the outlier row is live in the chain: samples the classifier calls outliers move to
+    # latent class 10, their counts move into row 10 and phi's row 10 follows
+    lab = trainer.labeler
+    idx = torch.nonzero(~trusted)[:32, 0]
+    observed = torch.from_numpy(view.observed)[idx]
+    probs = torch.zeros(32, 11)
+    probs[:, 10] = 1.0
+    lab.flush()
+    lab.prefetch(idx)
+    before, z_before = store.counts[10].clone(), store.z[idx].clone()
+    z, _ = lab.sample(probs, observed, idx)
+    assert (z == 10).all()
+    lab.commit(idx, z, None)
+    lab.flush()
+    assert (store.z[idx] == 10).all()
+    entered = torch.bincount(observed[z_before != 10], minlength=10)
+    assert int(entered.sum()) > 0 and torch.equal(store.counts[10] - before, entered)
+    phi = trainer.transition()
+    assert phi.shape == (11, 10) and torch.allclose(phi.sum(1), torch.ones(11, dtype=phi.dtype))
+    row = store.counts[10].to(torch.float64)
+    assert torch.allclose(phi[10], row / row.sum())
     store.check()
 
 
