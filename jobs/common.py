@@ -122,6 +122,9 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
     g.add_argument("--smoke-test", action="store_true",
                    help="2 CPU workers on tiny shards generated under the run dir, small CNN, "
                         "a few steps")
+    g.add_argument("--verify-checksums", action=argparse.BooleanOptionalAction, default=True,
+                   help="check every shard's sha256 against its manifest before reading it "
+                        "(once per shard and process; default on)")
     g.add_argument("--inject-failure", default="", help=argparse.SUPPRESS)  # tests only
 
     m = p.add_argument_group(f"method and recipe (defaults: the paper's {preset.name} recipe)")
@@ -207,7 +210,8 @@ def dist_config(args: argparse.Namespace, *, run_name: str, train: str, test: st
         shuffle_buffer=args.shuffle_buffer, preset=transform,
         checkpoint_every=args.checkpoint_every, lr_values=tuple(args.lr_values),
         pretrained=args.pretrained, tracking_uri=tracking, experiment=args.experiment,
-        class_names=tuple(class_names), inject_failure=args.inject_failure)
+        class_names=tuple(class_names), inject_failure=args.inject_failure,
+        verify_checksums=args.verify_checksums)
 
 
 def _source(path_or_url: str | os.PathLike | None) -> str | None:
@@ -275,7 +279,7 @@ def load_view(args: argparse.Namespace, train: str) -> LabelView:
         raise SystemExit(f"error: --noise is not valid JSON ({e}): {args.noise!r}") from None
     if args.trusted_fraction > 0:
         spec["trusted"] = {"fraction": args.trusted_fraction, "seed": args.seed}
-    return build_view(train, spec)
+    return build_view(train, spec, checksums=getattr(args, "verify_checksums", True))
 
 
 # -- tiny generated shards for --smoke-test ---------------------------------------------------
@@ -363,6 +367,7 @@ def run_job(args: argparse.Namespace, *, job: str, run: RunConfig, dist: DistCon
         "metrics": metrics, "checkpoint": out["checkpoint"], "store": out["store"],
         "mlflow_run_id": state.get("mlflow_run_id"), "tracking_uri": dist.tracking_uri,
         "epoch": state.get("epoch"), "global_step": state.get("global_step"),
+        "history": state.get("history"),  # one row per epoch, data counters included
         "transition": None if out["phi"] is None else out["phi"].tolist(),
         "true_transition": None if view.transition is None else view.transition.tolist(),
     }

@@ -74,10 +74,11 @@ Sources: a local split directory, or a base URL ``http(s)://host/path/<split>`` 
 ``<base>/manifest.json`` read with urllib, shards streamed with urllib) or ``s3://bucket/...``
 (streamed by ``cfg.s3_command``, default ``aws s3 cp {url} -``, which needs the AWS CLI and
 credentials on every worker; the manifest is read the same way unless passed in). Checks
-before the first batch: local shards exist with the manifest's sizes (and sha256 when
-``cfg.verify_checksums``, which reads every shard once); HTTP shards answer HEAD with the
-manifest's size; with ``verify_checksums`` remote shards are also hashed while they stream
-(a mismatch is counted in ``checksum_mismatch``; the samples are already used by then).
+before the first batch: local shards exist with the manifest's sizes and, with
+``cfg.verify_checksums`` (the default), their sha256 matches the manifest (each shard hashed
+once per process); HTTP shards answer HEAD with the manifest's size; with
+``verify_checksums`` remote shards are also hashed while they stream (a mismatch is counted
+in ``checksum_mismatch``; the samples are already used by then).
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
 from pipeline.labels import LabelView
-from pipeline.manifest import MANIFEST_NAME, Manifest, ManifestError, sample_key
+from pipeline.manifest import MANIFEST_NAME, Manifest, ManifestError, sample_key, sha256_file
 from pipeline.transforms import build_batch_transform, build_sample_transform, get_preset
 
 log = logging.getLogger(__name__)
@@ -134,8 +135,10 @@ class LoaderConfig:
     shuffle_buffer:   raw samples held per worker for shuffling (0 = no sample shuffle).
     seed:             seed of shard order, shuffle buffer and augmentations.
     preset:           ``pipeline.transforms`` preset name.
-    verify_checksums: sha256 of every local shard before the first batch (reads them all);
-                      for remote shards, hash while streaming and count mismatches.
+    verify_checksums: sha256 of every local shard before the first batch, once per shard
+                      and process (a shard whose size, mtime or ctime changed is hashed
+                      again); for remote shards, hash while streaming and count mismatches.
+                      On by default: cost in benchmarks/results/integrity.md.
     chunk_size:       samples per tensor chunk a worker sends to the training process.
     prefetch_factor:  chunks each worker keeps ready.
     pin_memory:       pin each batch for an asynchronous CUDA copy (ignored without CUDA).
@@ -150,7 +153,7 @@ class LoaderConfig:
     shuffle_buffer: int = 1000
     seed: int = 0
     preset: str = "cifar"
-    verify_checksums: bool = False
+    verify_checksums: bool = True
     chunk_size: int = 64
     prefetch_factor: int = 2
     pin_memory: bool = False
@@ -324,7 +327,10 @@ def verify_source(source: str | os.PathLike, manifest: Manifest, *, cfg: LoaderC
     if not manifest.shards:
         raise ManifestError(f"{source}: the manifest lists no shards")
     if not is_remote(source):
-        manifest.verify(source, checksums=cfg.verify_checksums)
+        manifest.verify(source, checksums=False)  # present, with the manifest's sizes
+        if cfg.verify_checksums:
+            for info in manifest.shards:
+                verify_shard_once(Path(source) / info.name, info.sha256)
         return
     if str(source).startswith("s3://"):
         return
@@ -334,6 +340,53 @@ def verify_source(source: str | os.PathLike, manifest: Manifest, *, cfg: LoaderC
     for url, size, info in zip(urls, sizes, manifest.shards):
         if size is not None and size != info.bytes:
             raise ManifestError(f"{url}: size {size} != manifest {info.bytes}")
+
+
+# Shards this process has hashed and found equal to their manifest, keyed by what would
+# change if the file were rewritten: a run hashes each shard once per process, not per epoch.
+_VERIFIED: set[tuple] = set()
+
+
+def _file_identity(path: Path, sha256: str) -> tuple:
+    st = path.stat()
+    return (str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, sha256)
+
+
+def verify_shard_once(path: Path, sha256: str) -> bool:
+    """Raise ``ManifestError`` naming ``path`` if its sha256 is not ``sha256``; a shard this
+    process already verified and that has not changed since is not read again. Returns
+    whether the file was hashed now."""
+    key = _file_identity(path, sha256)
+    if key in _VERIFIED:
+        return False
+    if sha256_file(path) != sha256:
+        raise ManifestError(f"{path}: sha256 does not match the manifest (the shard's bytes "
+                            "changed since it was written: re-convert it or restore it)")
+    _VERIFIED.add(key)
+    return True
+
+
+def loader_counters(stats: dict[str, int], *, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor]
+                    | None = None, device: torch.device | str = "cpu") -> dict[str, float]:
+    """The data-integrity counters of one pass, as epoch metrics (summed over ranks when
+    ``all_reduce_sum`` is given; every rank must call it then):
+
+    ``data_skipped_samples`` (undecodable images, bad json/keys, duplicate or surplus idx),
+    ``data_skipped_shards`` (tars cut short or unreadable), ``data_missing`` (samples the
+    plan expected that never came), ``data_padded`` (pad entries yielded in their place,
+    never trained on or counted), ``data_checksum_mismatch`` (streamed remote shards whose
+    sha256 differs from the manifest).
+    """
+    vals = torch.tensor([
+        stats.get("skipped_decode", 0) + stats.get("skipped_meta", 0)
+        + stats.get("skipped_duplicate", 0) + stats.get("skipped_extra", 0),
+        stats.get("skipped_tar", 0), stats.get("missing", 0), stats.get("padded", 0),
+        stats.get("checksum_mismatch", 0)], dtype=torch.float64)
+    if all_reduce_sum is not None:
+        vals = all_reduce_sum(vals.to(device)).cpu()
+    keys = ("data_skipped_samples", "data_skipped_shards", "data_missing", "data_padded",
+            "data_checksum_mismatch")
+    return dict(zip(keys, vals.tolist()))
 
 
 def check_label_view(label_view: LabelView | None, manifest: Manifest, *, where: str) -> None:

@@ -52,7 +52,8 @@ from torch import Tensor, nn
 
 from pipeline.config import RunConfig
 from pipeline.confusion import transition
-from pipeline.data import LoaderConfig, load_manifest, make_eval_loader, make_train_loader
+from pipeline.data import (LoaderConfig, load_manifest, loader_counters, make_eval_loader,
+                           make_train_loader)
 from pipeline.labels import LabelView
 from pipeline.lccn import GibbsLabeler, SampleStats
 from pipeline.loop import evaluate, predict, train_one_epoch
@@ -90,6 +91,8 @@ class DistConfig:
         ``os._exit(1)``, ``raise``: RuntimeError, ``kill_store``: kill the store actor) fired
         once after global step ``step`` on rank ``rank`` (a marker file in run_dir makes it
         fire only once across restarts and resubmissions).
+    verify_checksums: sha256 of every local shard against the manifest before it is read
+        (once per shard and process; ``pipeline.data.LoaderConfig``).
     """
 
     run_name: str
@@ -109,6 +112,7 @@ class DistConfig:
     class_names: tuple[str, ...] = ()
     transition_every: int = 1
     inject_failure: str = ""
+    verify_checksums: bool = True
 
     def __post_init__(self) -> None:
         for name in ("lr_values", "class_names"):
@@ -363,7 +367,8 @@ def run_worker(run: RunConfig, dist: DistConfig, view: LabelView, store: Any,
     per_rank_batch = max(1, o.batch_size // ws)
     loader_cfg = LoaderConfig(batch_size=per_rank_batch, num_workers=dist.loader_workers,
                               shuffle_buffer=dist.shuffle_buffer, seed=run.seed,
-                              preset=dist.preset, pin_memory=cuda)
+                              preset=dist.preset, pin_memory=cuda,
+                              verify_checksums=dist.verify_checksums)
     manifest = load_manifest(dist.train_source, cfg=loader_cfg)
     test_manifest = (load_manifest(dist.test_source, cfg=loader_cfg)
                      if dist.test_source else None)
@@ -428,6 +433,8 @@ def run_worker(run: RunConfig, dist: DistConfig, view: LabelView, store: Any,
             row = _epoch_row(stats, session, epoch=epoch, global_step=global_step,
                              lr=optimizer.param_groups[0]["lr"], lccn=active is not None)
             row.update(_evaluate(eval_model, dist, loader_cfg, test_manifest, session, k))
+            row.update(loader_counters(loader.stats, all_reduce_sum=session.all_reduce_sum,
+                                       device=session.device))
             row["staleness_max"] = float(active.max_staleness) if active is not None else 0.0
             row.update(resumed)
             row.update(extra)

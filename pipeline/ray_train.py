@@ -133,7 +133,14 @@ def progress_line(row: dict[str, float], *, run_name: str, epochs: int,
     vals = "  ".join(f"{k} {row[k]:.3f}" for k in PROGRESS_KEYS
                      if isinstance(row.get(k), float) and math.isfinite(row[k]))
     took = f"  {row['epoch_time']:.1f} s" if "epoch_time" in row else ""
-    return f"[{run_name}] epoch {e}/{epochs} {phase:4s} {vals}{took}"
+    data = "  ".join(f"{k.removeprefix('data_')} {int(row[k])}" for k in DATA_KEYS
+                     if row.get(k))
+    return (f"[{run_name}] epoch {e}/{epochs} {phase:4s} {vals}{took}"
+            + (f"  data: {data}" if data else ""))
+
+
+DATA_KEYS = ("data_skipped_samples", "data_skipped_shards", "data_missing", "data_padded",
+             "data_checksum_mismatch")
 
 
 def _quiet_ray_train_reports() -> None:

@@ -471,3 +471,56 @@ def test_transform_presets_shapes_and_errors():
     x = ev(small)
     assert abs(float(x.mean())) < 1e-5 and abs(float(x.std(unbiased=False)) - 1) < 1e-4
     assert torch.equal(ev(Image.new("RGB", (32, 32), (9, 9, 9))), torch.zeros(3, 32, 32))
+
+
+# -- integrity checks on by default, and the counters of a pass ---------------------------------
+
+
+def test_same_size_corruption_is_refused_by_default(split20, cifar_images):
+    """A JPEG overwritten in place with as many bytes decodes into garbage; the default
+    loader refuses the shard before any batch instead of training on it."""
+    split, manifest, view = split20
+    assert LoaderConfig().verify_checksums is True and CFG.verify_checksums is True
+    shard = split / "train-000000.tar"
+    with tarfile.open(shard) as t:
+        member = next(m for m in t.getmembers() if m.name.endswith(".jpg"))
+    raw = bytearray(shard.read_bytes())
+    start = member.offset_data + member.size // 2
+    raw[start:start + 64] = bytes(64)  # same size: the manifest's size check passes
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(ManifestError, match=r"train-000000.tar: sha256 does not match"):
+        make_train_loader(split, view, CFG, rank=0, world_size=1, epoch=0)
+    # turning the check off trains on it (what the default used to do)
+    off = replace(CFG, verify_checksums=False, num_workers=0)
+    loader = make_train_loader(split, view, off, rank=0, world_size=1, epoch=0)
+    assert sum(int(b.valid.sum()) for b in loader) == 20
+
+
+def test_each_shard_is_hashed_once_per_process_until_it_changes(split20, monkeypatch):
+    from pipeline import data
+
+    split, manifest, view = split20
+    hashed = []
+    real = data.sha256_file
+    monkeypatch.setattr(data, "sha256_file", lambda p, **kw: (hashed.append(Path(p).name),
+                                                              real(p, **kw))[1])
+    for epoch in range(3):
+        make_train_loader(split, view, CFG, rank=0, world_size=1, epoch=epoch)
+        make_eval_loader(split, view, CFG)
+    assert sorted(hashed) == ["train-000000.tar", "train-000001.tar"]
+    shard = split / "train-000001.tar"
+    shard.write_bytes(shard.read_bytes())  # rewritten (same bytes): checked again
+    make_train_loader(split, view, CFG, rank=0, world_size=1, epoch=3)
+    assert sorted(hashed) == ["train-000000.tar", "train-000001.tar", "train-000001.tar"]
+
+
+def test_loader_counters_sum_over_ranks():
+    from pipeline.data import loader_counters
+
+    stats = {"skipped_decode": 1, "skipped_meta": 2, "skipped_duplicate": 3, "skipped_extra": 4,
+             "skipped_tar": 1, "missing": 9, "padded": 9, "checksum_mismatch": 0, "samples": 50}
+    assert loader_counters(stats) == {"data_skipped_samples": 10.0, "data_skipped_shards": 1.0,
+                                      "data_missing": 9.0, "data_padded": 9.0,
+                                      "data_checksum_mismatch": 0.0}
+    doubled = loader_counters(stats, all_reduce_sum=lambda t: 2 * t)
+    assert doubled["data_padded"] == 18.0 and doubled["data_skipped_samples"] == 20.0

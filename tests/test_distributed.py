@@ -6,6 +6,7 @@ re-submission and a killed actor; MLflow contents; 1 vs 2 workers.
 
 from __future__ import annotations
 
+import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -223,6 +224,42 @@ def test_store_state_from_checkpoint_recounts(digits, tmp_path, one_thread):
         again.check()
         assert np.bincount(st["observed"].numpy(), minlength=10).tolist() == \
             st["counts"].sum(0).tolist()
+
+
+def test_skipped_and_padded_samples_reach_each_epoch_row_and_mlflow(digits, tmp_path, one_thread):
+    """A truncated shard: every epoch's row (history, checkpoint) and MLflow carry the
+    loader's counters, summed over ranks."""
+    from mlflow import MlflowClient
+
+    from pipeline.manifest import Manifest, ShardInfo, sha256_file
+
+    train, test, view = digits
+    split = tmp_path / "train"
+    shutil.copytree(train, split)
+    shard = split / "train-000003.tar"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    m = Manifest.load(split)  # describe the damaged file, as if it had been written so
+    m.shards[3] = ShardInfo(shard.name, m.shards[3].num_samples, sha256_file(shard),
+                            shard.stat().st_size)
+    m.save(split)
+    run = RunConfig(method="ce", seed=0, model=ModelConfig("small_cnn", in_channels=1),
+                    optim=OptimConfig(epochs=2, pretrain_epochs=2, batch_size=128, lr=0.05))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    dist = DistConfig(run_name="counters", run_dir=str(tmp_path), train_source=str(split),
+                      num_workers=1, loader_workers=0, shuffle_buffer=50, preset="digits",
+                      tracking_uri=uri, experiment="counters")
+    session = LocalSession(tmp_path / "ckpt")
+    rows = run_worker(run, dist, view, None, session)
+    assert len(rows) == 2
+    for row in rows:
+        assert row["data_skipped_shards"] == 1.0
+        assert 0 < row["data_missing"] == row["data_padded"] < 100
+    client = MlflowClient(tracking_uri=uri)
+    run_id = session.load_checkpoint()["mlflow_run_id"]
+    padded = client.get_metric_history(run_id, "data_padded")
+    assert sorted((m.step, m.value) for m in padded) == [(0, rows[0]["data_padded"]),
+                                                          (1, rows[1]["data_padded"])]
+    assert [r["data_skipped_shards"] for r in session.load_checkpoint()["history"]] == [1.0, 1.0]
 
 
 # -- on a real local Ray cluster (2 CPUs, 2 Train workers) -------------------------------------

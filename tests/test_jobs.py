@@ -139,6 +139,10 @@ def test_progress_line_per_epoch():
            "transition_error": float("nan"), "epoch_time": 4.04}
     line = progress_line(row, run_name="r", epochs=30, pretrain_epochs=8, method="lccn")
     assert line == "[r] epoch 10/30 lccn loss 0.250  test_top1 0.900  label_recovery 0.950  4.0 s"
+    row.update(data_skipped_shards=1.0, data_padded=12.0, data_missing=12.0,
+               data_skipped_samples=0.0)
+    assert progress_line(row, run_name="r", epochs=30, pretrain_epochs=8, method="lccn") \
+        .endswith("4.0 s  data: skipped_shards 1  missing 12  padded 12")
     row["epoch"] = 7.0
     assert "epoch 8/30 ce " in progress_line(row, run_name="r", epochs=30, pretrain_epochs=8,
                                              method="lccn")
@@ -296,5 +300,7 @@ def test_ray_job_submit_quickstart_smoke(ray_head, tmp_path):
     assert len(found) == 1, found  # a new, timestamped run name when none is given
     result = json.loads(found[0].read_text())
     assert result["epoch"] == 3 and result["mlflow_run_id"]
+    # the data counters of every epoch are in the result file (clean generated shards: 0)
+    assert [r["data_padded"] for r in result["history"]] == [0.0, 0.0, 0.0]
     assert (run_dir / "mlflow.db").is_file()
     assert abs(sum(result["transition"][0]) - 1) < 1e-9
