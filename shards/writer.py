@@ -51,6 +51,8 @@ import multiprocessing
 import os
 import re
 import tarfile
+import threading
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -458,14 +460,32 @@ def _chunks(it: Iterable[SampleRecord], size: int) -> Iterator[tuple[SampleRecor
 # -- the driver -------------------------------------------------------------------------------
 
 
+def _exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
+    """Pool initializer: end this worker as soon as the converting process is gone.
+
+    A parent killed with SIGKILL cannot shut its pool down; its workers would wait for tasks
+    forever (re-parented to PID 1), and with them multiprocessing's resource tracker. A
+    daemon thread checks every ``poll_s`` seconds whether this process still has the parent
+    that started it, and exits otherwise.
+    """
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 class _Runner:
-    """Runs tasks inline (workers == 1) or on a process pool, with bounded in-flight tasks."""
+    """Runs tasks inline (workers == 1) or on a process pool, with bounded in-flight tasks.
+    Pool workers end with the process that started them, even when it is SIGKILLed."""
 
     def __init__(self, workers: int) -> None:
         self.pool = None
         if workers > 1:
             self.pool = cf.ProcessPoolExecutor(
-                max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+                max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                initializer=_exit_with_parent, initargs=(os.getpid(),))
         self.max_in_flight = 2 * workers
         self.pending: dict[cf.Future, int] = {}
 

@@ -443,3 +443,67 @@ def test_python_dash_m_shards_runs_in_parallel(jpeg_tree, tmp_path):
     assert r.returncode == 0, r.stderr
     assert "imagefolder/train: 120 samples, 4 shards" in r.stdout
     Manifest.load(out / "train").verify(out / "train")
+
+
+def _proc_stat(pid: int) -> tuple[str, int] | None:
+    """(state, parent pid) of a process from /proc, or None if it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()
+    return fields[0], int(fields[1])
+
+
+def _descendants(pid: int) -> set[int]:
+    parents = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and (st := _proc_stat(int(d.name))) is not None:
+            parents[int(d.name)] = st[1]
+    out, frontier = set(), {pid}
+    while frontier:
+        frontier = {c for c, p in parents.items() if p in frontier} - out
+        out |= frontier
+    return out
+
+
+def _running(pid: int) -> bool:
+    st = _proc_stat(pid)
+    return st is not None and st[0] != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+def test_sigkill_of_the_converter_ends_its_pool_workers(tmp_path):
+    """``python -m shards ... --workers 2`` killed with SIGKILL: its pool workers and the
+    resource tracker end too instead of waiting forever under PID 1."""
+    rng = np.random.default_rng(0)
+    for i in range(600):
+        d = tmp_path / "src" / "train" / f"c{i % 4}"
+        d.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 256, (256, 256, 3), dtype=np.uint8)).save(
+            d / f"{i:04d}.jpg", quality=90)
+    cmd = [sys.executable, "-m", "shards", "imagefolder", str(tmp_path / "src"), "--out",
+           str(tmp_path / "out"), "--workers", "2", "--shard-size", "5", "--resize-short",
+           "32", "--validate", "decode", "--no-progress"]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    children: set[int] = set()
+    try:
+        deadline = time.monotonic() + 120
+        while len(children) < 3 and proc.poll() is None:  # 2 workers + the resource tracker
+            assert time.monotonic() < deadline, "the pool did not start"
+            children = _descendants(proc.pid)
+            time.sleep(0.05)
+        assert proc.poll() is None, "the conversion ended before it could be killed"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 60  # a bound for the wait, not a timing check
+        while any(_running(c) for c in children) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        alive = [c for c in children if _running(c)]
+        assert not alive, [Path(f"/proc/{c}/cmdline").read_bytes()[:200] for c in alive]
+        assert not (tmp_path / "out" / "train" / "manifest.json").exists()
+    finally:
+        for c in children:
+            if _running(c):
+                os.kill(c, signal.SIGKILL)
