@@ -24,6 +24,7 @@ the actor by name and runs :func:`pipeline.dist_worker.run_worker`.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import asdict, replace
@@ -35,7 +36,7 @@ from torch import Tensor, nn
 
 from pipeline.config import RunConfig, from_dict
 from pipeline.confusion_store import ConfusionStore
-from pipeline.dist_worker import DistConfig, load_state, run_worker
+from pipeline.dist_worker import META_FILE, DistConfig, load_state, run_worker
 from pipeline.labels import LabelView
 from pipeline.store_actor import ActorStoreClient, create_store_actor, store_actor_name
 
@@ -100,12 +101,37 @@ class RaySession:
             torch.distributed.all_reduce(t)
         return t
 
+    checkpoint_root: Path | None = None  # <run_dir>/train/<run_name>, set by the entry point
+
     def load_checkpoint(self) -> dict | None:
+        """The newest complete checkpoint of the run: the one Ray Train hands over, or a
+        newer complete one on disk (see :func:`newest_complete_checkpoint`). Rank 0 decides
+        and every rank loads the same one."""
         ckpt = self._train.get_checkpoint()
-        if ckpt is None:
+        chosen: str | None = None
+        if self.rank == 0:
+            registered = None if ckpt is None else ckpt.path
+            found = (newest_complete_checkpoint(self.checkpoint_root)
+                     if self.checkpoint_root is not None else None)
+            chosen = str(found) if found is not None else registered
+            if found is not None and registered is not None and \
+                    Path(registered).name != found.name:
+                print(f"resuming from {found.name} (step {_step_of(found)}), newer than the "
+                      f"last checkpoint Ray Train registered, {Path(registered).name} (step "
+                      f"{_step_of(Path(registered))}): its report was lost with the failure",
+                      file=sys.__stdout__, flush=True)
+        if self._dist():
+            box = [chosen]
+            torch.distributed.broadcast_object_list(box, src=0)
+            chosen = box[0]
+        elif self.rank != 0:
+            chosen = None if ckpt is None else ckpt.path
+        if chosen is None:
             return None
-        with ckpt.as_directory() as d:
-            return load_state(d)
+        if ckpt is not None and chosen == ckpt.path and not Path(chosen).is_dir():
+            with ckpt.as_directory() as d:  # remote storage: Ray downloads it
+                return load_state(d)
+        return load_state(chosen)
 
     def report(self, metrics: dict[str, float], checkpoint_dir: str | None) -> None:
         ckpt = (self._train.Checkpoint.from_directory(checkpoint_dir)
@@ -184,9 +210,73 @@ def train_loop_per_worker(config: dict) -> None:
         store = ActorStoreClient(ray.get_actor(config["store"], namespace=config["namespace"]))
     torch.set_num_threads(max(1, int(config.get("threads", 1))))
     session = RaySession()
+    session.checkpoint_root = Path(dist.run_dir) / "train" / dist.run_name
     session.progress = {"run_name": dist.run_name, "epochs": run.optim.epochs,
                         "pretrain_epochs": run.optim.pretrain_epochs, "method": run.method}
     run_worker(run, dist, view, store, session)
+
+
+def _step_of(checkpoint_dir: Path) -> int | None:
+    try:
+        return int(json.loads((checkpoint_dir / META_FILE).read_text())["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def newest_complete_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The ``checkpoint_*`` folder under ``root`` with the largest global step whose
+    ``meta.json`` and ``state.pt`` both load and agree; None if there is none.
+
+    Rank 0 writes a checkpoint at one consistent moment and then reports it; Ray Train
+    registers it only when every rank's report reaches its controller. A failure in between
+    leaves complete checkpoints on disk that Ray does not know (seen: steps 270 and 280 on
+    disk, Ray resumed from 260). They are as consistent as registered ones, so a restart
+    resumes from the newest. A folder cut short by the failure fails to load and is skipped.
+    """
+    root = Path(root)
+    found = []
+    for d in root.glob("checkpoint_*"):
+        step = _step_of(d)
+        if step is not None:
+            found.append((step, d.name, d))
+    for step, _, d in sorted(found, reverse=True):
+        try:
+            state = load_state(d)
+        except Exception:  # noqa: BLE001 - truncated/partial file: not complete
+            continue
+        if int(state.get("global_step", -1)) == step:
+            return d
+    return None
+
+
+def prune_checkpoints(root: str | os.PathLike) -> list[str]:
+    """Delete the checkpoint folders Ray Train does not manage: those not in its
+    ``checkpoint_manager_snapshot.json`` that are incomplete or not newer than the newest
+    registered one (``CheckpointConfig.num_to_keep`` never sees them). An unregistered
+    complete checkpoint newer than every registered one is kept: a re-submission resumes
+    from it. Returns the names deleted."""
+    import shutil
+
+    root = Path(root)
+    snap = root / "checkpoint_manager_snapshot.json"
+    try:
+        results = json.loads(snap.read_text()).get("checkpoint_results", [])
+        registered = {r["checkpoint_dir_name"] for r in results}
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return []  # no snapshot (nothing reported yet) or another layout: touch nothing
+    newest_registered = max((_step_of(root / n) or -1 for n in registered), default=-1)
+    newest = newest_complete_checkpoint(root)
+    deleted = []
+    for d in sorted(root.glob("checkpoint_*")):
+        if d.name in registered or not d.is_dir():
+            continue
+        step = _step_of(d)
+        keep = (newest is not None and d.name == newest.name and step is not None
+                and step > newest_registered)
+        if not keep:
+            shutil.rmtree(d, ignore_errors=True)
+            deleted.append(d.name)
+    return deleted
 
 
 def initial_assignment_placeholder(view: LabelView, run: RunConfig) -> tuple[Tensor, Tensor | None]:
@@ -243,6 +333,10 @@ def fit_distributed(run: RunConfig, dist: DistConfig, view: LabelView, *,
     finally:
         if handle is not None:
             ray.kill(handle, no_restart=True)  # the name is free for the next run
+        pruned = prune_checkpoints(Path(dist.run_dir) / "train" / dist.run_name)
+        if pruned:
+            print(f"removed {len(pruned)} checkpoint folder(s) Ray Train did not register: "
+                  f"{', '.join(pruned)}", flush=True)
     out: dict[str, Any] = {"metrics": result.metrics, "checkpoint": None, "state": None,
                            "phi": None, "store": store_stats}
     if result.checkpoint is not None:
