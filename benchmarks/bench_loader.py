@@ -59,7 +59,9 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="passes per configuration (PIL variants alternate); the table shows medians")
     p.add_argument("--simd-path", type=Path, default=None,
                    help="a `pip install --target` folder holding pillow-simd")
-    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "loader.md")
+    p.add_argument("--out", type=Path, default=None,
+                   help="also write the report here (benchmarks/results/loader.md to update the "
+                        "committed figures; default: print only)")
     p.add_argument("--worker-json", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--only", default=None, help=argparse.SUPPRESS)
     return p
@@ -335,9 +337,10 @@ def main(argv: list[str] | None = None) -> int:
                   load=(load0, os.getloadavg()[0]))
     print()
     print(text)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(f"wrote {args.out}")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+        print(f"wrote {args.out}")
     return 0
 
 

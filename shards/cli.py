@@ -1,8 +1,8 @@
 """``python -m shards <dataset> SRC --out DIR [options]``: convert a dataset to tar shards.
 
 Subcommands: ``cifar10``, ``cifar100``, ``imagefolder``, ``clothing1m``, ``webvision``.
-Common options: ``--out``, ``--shard-size`` (default 1000), ``--workers`` (default: the CPUs
-this process may use), ``--no-progress``; for image datasets also ``--resize-short N``
+Common options: ``--out``, ``--shard-size`` (default 1000), ``--workers`` (default: one
+fewer than the CPUs this process may use, at least 1), ``--no-progress``; for image datasets also ``--resize-short N``
 (``0`` = keep the original bytes), ``--validate verify|decode`` and ``--skip-bad``.
 ``clothing1m`` and ``webvision`` resize to a shorter side of 256 by default (the usual
 preprocessing for these web datasets: ~10x smaller shards, and training crops 224 anyway);
@@ -28,10 +28,15 @@ WEB_RESIZE_SHORT = 256
 
 
 def _default_workers() -> int:
+    """One fewer writer process than the CPUs this process may use (the converting process
+    itself reads, orders and fsyncs), at least 1 (= in this process, no pool). Measured on
+    2 cores (benchmarks/results/convert.md): 2 pool workers were no faster than 1 in-process
+    writer on CIFAR-10 and slower when resizing."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        cpus = len(os.sched_getaffinity(0))
     except AttributeError:
-        return max(1, os.cpu_count() or 1)
+        cpus = os.cpu_count() or 1
+    return max(1, cpus - 1)
 
 
 def _common(p: argparse.ArgumentParser, *, images: bool, resize_default: int = 0) -> None:
@@ -39,7 +44,8 @@ def _common(p: argparse.ArgumentParser, *, images: bool, resize_default: int = 0
     p.add_argument("--out", required=True, help="output folder (gets <out>/<split>/...)")
     p.add_argument("--shard-size", type=int, default=1000, help="samples per shard (1000)")
     p.add_argument("--workers", type=int, default=_default_workers(),
-                   help="writer processes (default: available CPUs)")
+                   help=f"writer processes (default {_default_workers()}: one fewer than "
+                        "the available CPUs; 1 writes in this process)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     if images:
         p.add_argument("--resize-short", type=int, default=resize_default, metavar="N",

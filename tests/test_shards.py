@@ -507,3 +507,13 @@ def test_sigkill_of_the_converter_ends_its_pool_workers(tmp_path):
         for c in children:
             if _running(c):
                 os.kill(c, signal.SIGKILL)
+
+
+def test_default_workers_leave_a_cpu_to_the_converting_process(monkeypatch):
+    """Measured on 2 cores (benchmarks/results/convert.md): a pool of 2 was no faster than
+    writing in-process. Default: CPUs - 1, at least 1."""
+    for cpus, expected in ((1, 1), (2, 1), (4, 3), (16, 15)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)),
+                            raising=False)
+        args = cli.build_parser().parse_args(["imagefolder", "src", "--out", "out"])
+        assert args.workers == expected, cpus
