@@ -87,6 +87,7 @@ class RaySession:
     def prepare_model(self, model: nn.Module) -> nn.Module:
         import ray.train.torch
 
+        stop_on_non_finite(model, rank=self.rank)
         return ray.train.torch.prepare_model(model)
 
     def _dist(self) -> bool:
@@ -134,6 +135,9 @@ class RaySession:
         return load_state(chosen)
 
     def report(self, metrics: dict[str, float], checkpoint_dir: str | None) -> None:
+        self.reports += 1
+        if self.fault is not None:
+            self.fault(self.rank, self.reports)
         ckpt = (self._train.Checkpoint.from_directory(checkpoint_dir)
                 if checkpoint_dir is not None else None)
         if self.rank == 0 and self.progress is not None and "loss" in metrics:
@@ -143,6 +147,50 @@ class RaySession:
         self._train.report(metrics, checkpoint=ckpt)
 
     progress: dict[str, Any] | None = None
+    fault: "ReportFault | None" = None
+    reports = 0
+
+
+class ReportFault:
+    """Fault injection for tests and benchmarks: rank ``rank`` exits (``os._exit(1)``, as a
+    SIGKILL would leave it) at its ``report``-th report of this worker group, i.e. while the
+    group takes a checkpoint (rank 0 has written it; the other ranks have not reported it).
+    Fires once per ``marker`` file."""
+
+    def __init__(self, rank: int, report: int, marker: str) -> None:
+        self.rank, self.report, self.marker = rank, report, Path(marker)
+
+    def __call__(self, rank: int, count: int) -> None:
+        if rank == self.rank and count == self.report and not self.marker.exists():
+            self.marker.write_text(f"rank {rank} exited at report {count}\n")
+            os._exit(1)
+
+
+class NonFiniteError(FloatingPointError):
+    """The model produced NaN or infinite logits: training diverged."""
+
+
+def stop_on_non_finite(model: nn.Module, *, rank: int) -> None:
+    """Raise :class:`NonFiniteError` at the first forward pass whose output is not finite.
+
+    Without it a diverged model trains on: the Gibbs step turns NaN probabilities into some
+    valid-looking label and commits it, corrupting C and z silently. Stopping at the
+    forward pass keeps every commit of that batch out of the store; the worker group then
+    restarts from the last checkpoint and, if the divergence repeats, the run fails with
+    this message.
+    """
+    steps = {"n": 0}
+
+    def check(module: nn.Module, args: Any, out: Any) -> None:
+        steps["n"] += 1
+        if isinstance(out, Tensor) and not bool(torch.isfinite(out).all()):
+            bad = int((~torch.isfinite(out)).sum())
+            raise NonFiniteError(
+                f"rank {rank}: {bad} non-finite logits in forward pass {steps['n']} of this "
+                f"worker: the model diverged (loss NaN/inf); lower the learning rate or "
+                f"check the inputs")
+
+    model.register_forward_hook(check)
 
 
 PROGRESS_KEYS = ("loss", "test_top1", "label_recovery", "transition_error")
@@ -211,6 +259,8 @@ def train_loop_per_worker(config: dict) -> None:
     torch.set_num_threads(max(1, int(config.get("threads", 1))))
     session = RaySession()
     session.checkpoint_root = Path(dist.run_dir) / "train" / dist.run_name
+    if config.get("fault"):
+        session.fault = ReportFault(**config["fault"])
     session.progress = {"run_name": dist.run_name, "epochs": run.optim.epochs,
                         "pretrain_epochs": run.optim.pretrain_epochs, "method": run.method}
     run_worker(run, dist, view, store, session)
@@ -292,7 +342,8 @@ def initial_assignment_placeholder(view: LabelView, run: RunConfig) -> tuple[Ten
 
 def fit_distributed(run: RunConfig, dist: DistConfig, view: LabelView, *,
                     max_failures: int = 1, threads_per_worker: int | None = None,
-                    cpus_per_worker: float = 1.0) -> dict[str, Any]:
+                    cpus_per_worker: float = 1.0,
+                    fault: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run (or resume) ``dist.run_name`` on the Ray cluster this process is connected to
     (:func:`init_ray` first if it is not).
 
@@ -300,6 +351,7 @@ def fit_distributed(run: RunConfig, dist: DistConfig, view: LabelView, *,
     checkpoint, "state": its state dict, "phi": (K_latent, K) float64 learned transition
     (None for CE), "store": the final StoreActor stats}``. Raises
     ``ray.train.TrainingFailedError`` when the run fails more than ``max_failures`` times.
+    ``fault``: tests only, ``{"rank", "report", "marker"}`` of a :class:`ReportFault`.
     """
     import ray
     import ray.train
@@ -316,7 +368,8 @@ def fit_distributed(run: RunConfig, dist: DistConfig, view: LabelView, *,
         name = store_actor_name(dist.run_name)
     threads = threads_per_worker or max(1, int(cpus_per_worker))
     config = {"run": asdict(run), "dist": asdict(dist), "view": ray.put(view), "store": name,
-              "namespace": ray.get_runtime_context().namespace, "threads": threads}
+              "namespace": ray.get_runtime_context().namespace, "threads": threads,
+              "fault": fault}
     trainer = TorchTrainer(
         train_loop_per_worker, train_loop_config=config,
         scaling_config=ray.train.ScalingConfig(

@@ -25,7 +25,8 @@ save a reset chain that passes every invariant.
 Counters (``opened``, ``calls``, ``refused``, ``duplicates``, ``busy_s``) are part of
 :meth:`StoreActor.state_dict`, so they go into every checkpoint. A restarted actor process
 starts from the counters of the checkpoint it is reopened with (what happened between that
-checkpoint and the actor's death is lost with it) and counts the restart in ``restored``;
+checkpoint and the actor's death is lost with it) and counts the take-over in ``restored``
+(a re-submitted run or a restarted actor);
 a live actor reopened after a worker failure keeps its own, larger, counts.
 
 Together with the ``(worker, seq)`` de-duplication of :meth:`ConfusionStore.commit` (a retried
@@ -51,7 +52,7 @@ from torch import Tensor
 from pipeline.confusion_store import ConfusionStore, Sync
 
 
-COUNTER_KEYS = ("opened", "calls", "refused", "duplicates", "busy_s")
+COUNTER_KEYS = ("opened", "calls", "refused", "duplicates", "busy_s", "restored")
 
 
 class FenceError(RuntimeError):
@@ -131,13 +132,14 @@ class StoreActor(ConfusionStore):
 
     def counters(self) -> dict[str, float]:
         """The counters of the whole run (see the module docstring), as floats."""
-        return {key: float(getattr(self, key)) for key in (*COUNTER_KEYS, "restored")}
+        return {key: float(getattr(self, key)) for key in COUNTER_KEYS}
 
     def stats(self) -> dict[str, float]:
         """``version`` and the counters: ``duplicates`` (retried commits ignored),
         ``refused`` (fenced-off calls), ``opened``, ``calls``, ``busy_s`` (seconds spent in
         commit/sync: the actor's load; near wall time = saturated) and ``restored`` (times
-        an actor process took over a checkpoint's counters). Not fenced: read-only."""
+        an actor process took over a checkpoint's counters: re-submissions and actor
+        restarts). Not fenced: read-only."""
         return {"version": float(self.version), **self.counters()}
 
     def state_dict(self) -> dict:

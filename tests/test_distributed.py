@@ -379,6 +379,15 @@ def test_invariants_and_exact_commit_count_after_failures(chaos_run):
     assert state["version"] == 2 * (lccn_steps + 1)
     # one labeler id per (rank, worker-group start); the last ones sent seq 0..n-1
     assert sum(1 for w in state["last_seq"] if w.startswith("init.")) >= 2
+    # the actor kill: the running group's next calls (Ray retries the in-flight ones on the
+    # restarted actor) were refused and counted, and the counters survived the restart
+    # through the checkpoint; a retry that reached the same actor would be a duplicate
+    st = s["store"]
+    assert st["refused"] >= 1 and st["refused"] + st["duplicates"] >= 1, st
+    assert st["restored"] == 2, st  # the re-submission and the restarted actor took over
+    # one call per LCCN step and rank, less at most one checkpoint interval that died with
+    # the actor (calls re-done after a restart count again)
+    assert st["calls"] >= 2 * (lccn_steps - CKPT_EVERY), st
     assert s["metrics"]["store_duplicates"] == 0
 
 
@@ -435,6 +444,32 @@ def test_one_and_two_workers_estimate_the_same_transition(chaos_run, tmp_path):
     assert np.abs(phi1 - phi2).mean() < 0.03
     assert one["metrics"]["staleness"] == 0.0  # one worker: never stale
     assert two["metrics"]["staleness_max"] >= 1  # two workers: the other's commits
+
+
+@pytest.mark.ray
+def test_one_worker_killed_mid_epoch_resumes_bit_identical(ray_cluster, tmp_path):
+    """On real Ray: the single worker dies (os._exit, as after SIGKILL) mid-epoch in LCCN
+    epoch 2; the group restarts from the checkpoint at step 48 and the run ends with the
+    same model, z, C and store version as an uninterrupted run with the same seed."""
+    from pipeline.dist_worker import load_state
+
+    args = ["--epochs", "4", "--pretrain-epochs", "1", "--batch-size", "64", "--lr", "0.05",
+            "--milestones", "--lr-values", "--warmup-steps", "5", "--loader-workers", "0",
+            "--shuffle-buffer", "100", "--checkpoint-every", "8", "--num-workers", "1",
+            "--no-tracking", "--no-baseline"]
+    ref = quickstart_ray.main(["--run-dir", str(tmp_path / "a"), "--run-name", "ref", *args])
+    hit = quickstart_ray.main(["--run-dir", str(tmp_path / "b"), "--run-name", "hit", *args,
+                               "--max-failures", "1", "--inject-failure", "0:50:exit"])
+    assert (tmp_path / "b" / ".injected-failure-r0-s50-exit").is_file()
+    assert (hit["metrics"]["resumed_epoch"], hit["metrics"]["resumed_batch"]) == (2, 8)
+    a, b = load_state(ref["checkpoint"]), load_state(hit["checkpoint"])
+    assert a["global_step"] == b["global_step"] == 80
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    for key in ("z", "counts"):
+        assert torch.equal(a["store"][key], b["store"][key]), key
+    assert a["store"]["version"] == b["store"]["version"] == 3 * 20 + 1
+    assert ref["store"]["refused"] == 0 and hit["store"]["opened"] == 2
 
 
 def test_packed_wire_format_round_trips_a_step():

@@ -199,3 +199,21 @@ def test_real_actor_kill_fences_control_calls_and_keeps_counters(ray_local):
     assert st["restored"] == 1 and st["opened"] == 2
     assert torch.equal(client.check_state()["z"], saved["z"])
     ray_local.kill(handle, no_restart=True)
+
+
+def test_non_finite_logits_stop_training_at_the_forward_pass():
+    """A diverged model would otherwise hand NaN probabilities to the Gibbs step, which
+    turns them into valid-looking labels and commits them."""
+    from pipeline.ray_train import NonFiniteError, stop_on_non_finite
+    from pipeline.sampler import gibbs_step
+
+    nan = torch.full((4, 3), float("nan"))
+    z = gibbs_step(nan, torch.tensor([0, 1, 2, 0]), torch.tensor([0, 1, 2, 0]),
+                   torch.full((3, 3), 5, dtype=torch.int64), 1.0,
+                   generator=torch.Generator().manual_seed(0))
+    assert z.dtype == torch.int64 and ((z >= 0) & (z < 3)).all()  # silent without the guard
+    model = torch.nn.Linear(3, 3)
+    stop_on_non_finite(model, rank=1)
+    model(torch.ones(2, 3))  # finite: passes
+    with pytest.raises(NonFiniteError, match="rank 1: 6 non-finite logits in forward pass 2"):
+        model(torch.tensor([[float("nan"), 0.0, 0.0], [0.0, float("inf"), 0.0]]))
