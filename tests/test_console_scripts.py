@@ -41,3 +41,23 @@ def test_python_dash_m_usage_names_the_module(module):
                           text=True, env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.startswith(f"usage: python -m {module} "), proc.stdout[:200]
+
+
+def test_installed_scripts_match_pyproject():
+    """When this checkout is the installed one (``pip install -e .``, as scripts/setup.sh
+    does), the installed console scripts are exactly those of pyproject.toml and exist
+    next to the interpreter."""
+    import json
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution("lccn-pipeline")
+    except metadata.PackageNotFoundError:
+        pytest.skip("lccn-pipeline is not installed in this environment")
+    direct = json.loads(dist.read_text("direct_url.json") or "{}")
+    if direct.get("url", "").removeprefix("file://") != str(REPO):
+        pytest.skip(f"the installed lccn-pipeline is another checkout ({direct.get('url')})")
+    installed = {ep.name: ep.value for ep in dist.entry_points if ep.group == "console_scripts"}
+    assert installed == SCRIPTS
+    for name in SCRIPTS:
+        assert (Path(sys.executable).parent / name).exists(), name
