@@ -293,7 +293,9 @@ def main(argv: list[str] | None = None) -> int:
         args.duration, args.warmup, args.repeats = 1.0, 0.5, 1
 
     torch.set_num_threads(1)
-    ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
+    from pipeline.ray_train import init_ray  # local Ray bound to 127.0.0.1
+
+    init_ray(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
     rows, base = [], {}
 
     def sweep(load: Load, ws: list[int], *, zero_copy: bool = False) -> None:

@@ -288,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     images = load_images(args.inputs, args.data, 8 * args.batch, seed=args.seed)
-    ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
+    from pipeline.ray_train import init_ray  # local Ray bound to 127.0.0.1
+
+    init_ray(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
     tables = []
     try:
         for k, n in zip(args.classes, args.samples):
