@@ -15,7 +15,10 @@ Driver (:func:`fit_distributed`, called by the jobs in ``jobs/``)::
 Train V2 keeps ``checkpoint_manager_snapshot.json`` under ``<storage_path>/<name>``; a new
 ``fit()`` with the same name and storage path (a re-submitted job) loads it and hands the
 latest checkpoint to ``ray.train.get_checkpoint()``, so the run resumes: model, optimizer,
-data position and, through rank 0's ``StoreActor.open``, C and z.
+data position and, through rank 0's ``StoreActor.open``, C and z. The worker resumes from
+the newest *complete* checkpoint on disk, which may be newer than the one Ray registered
+(:func:`newest_complete_checkpoint`); after ``fit()`` the driver removes the checkpoint
+folders Ray does not manage (:func:`prune_checkpoints`).
 
 Worker (:func:`train_loop_per_worker`): rebuilds the configs from their ``asdict`` form,
 reads rank and world size from ``ray.train.get_context()`` into a :class:`RaySession`, gets
