@@ -86,6 +86,12 @@ class RaySession:
         self.rank, self.world_size = int(ctx.get_world_rank()), int(ctx.get_world_size())
         self.device = torch.device(ray.train.torch.get_device())
         self._train = ray.train
+        # set by the entry point: <run_dir>/train/<run_name>, the progress-line settings,
+        # an injected fault (tests) and the number of reports made
+        self.checkpoint_root: Path | None = None
+        self.progress: dict[str, Any] | None = None
+        self.fault: ReportFault | None = None
+        self.reports = 0
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         import ray.train.torch
@@ -104,8 +110,6 @@ class RaySession:
         if self._dist():
             torch.distributed.all_reduce(t)
         return t
-
-    checkpoint_root: Path | None = None  # <run_dir>/train/<run_name>, set by the entry point
 
     def load_checkpoint(self) -> dict | None:
         """The newest complete checkpoint of the run: the one Ray Train hands over, or a
@@ -149,9 +153,6 @@ class RaySession:
             print(progress_line(metrics, **self.progress), file=sys.__stdout__, flush=True)
         self._train.report(metrics, checkpoint=ckpt)
 
-    progress: dict[str, Any] | None = None
-    fault: "ReportFault | None" = None
-    reports = 0
 
 
 class ReportFault:
