@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 METHODS = ("ce", "lccn")
-WARMUPS = ("eq8", "identity")
+WARMUPS = ("eq8", "identity", "anchor")
 INITS = ("argmax", "observed")
+TARGETS = ("sample", "posterior", "map")
 
 
 @dataclass(frozen=True)
@@ -18,7 +19,24 @@ class LCCNConfig:
 
     alpha: Dirichlet parameter, scalar or one value per observed class (> 0).
     warmup_steps: δ, LCCN steps during which the conditional transition is replaced by
-        ``phi_init`` (Eq. 8 soft confusion of the pretrained classifier, or a smoothed identity).
+        ``phi_init``.
+    warmup: how ``phi_init`` is estimated from the pretrained classifier. ``"anchor"``
+        (default): the anchor-point estimate (Patrini et al. 2017): a classifier trained
+        with CE on the observed labels estimates the *noisy* posterior P(ỹ | x), which at
+        samples that surely belong to class k equals row k of phi. Consistent for a weak,
+        under-confident classifier too. ``"eq8"``: the paper's Eq. 8 soft confusion, which
+        treats the classifier as the *clean* posterior: a flat (weak) classifier shrinks
+        its diagonal towards 1/K, the chain then follows the classifier more than the
+        labels and can collapse (see docs/fidelity.md). ``"identity"``: ``(1-s) I + s/K``.
+    anchor_quantile: the anchors of class k are the samples whose P(k | x) is at or above
+        this quantile of P(k | ·) over the training split (0.97 as in Patrini et al.).
+    targets: what the classifier regresses on. ``"posterior"`` (default): the Eq. 7
+        conditional p(z_m = k | ...) itself, i.e. the expectation of the paper's loss on
+        the sampled label over the Gibbs draw (Rao-Blackwellised: the same expected
+        gradient, without the variance of a one-hot draw from a flat posterior, which is
+        what lets a weak classifier train on targets noisier than the observed labels).
+        The chain (z and C) is still advanced by the exact Eq. 7 draw. ``"sample"``: the
+        paper's one-hot z.
     anneal: power annealing γ = max(exp(-anneal_rate * step / max_step), anneal_floor)
         (the paper's setting on Clothing1M/WebVision); off (γ = 1) by default, as on CIFAR.
     outlier: LCCN*, ``K_latent = K + 1`` with the last latent class = out of distribution.
@@ -27,9 +45,11 @@ class LCCNConfig:
 
     alpha: float | tuple[float, ...] = 1.0
     warmup_steps: int = 0
-    warmup: str = "eq8"
+    warmup: str = "anchor"
     warmup_smoothing: float = 0.1
+    anchor_quantile: float = 0.97
     init: str = "argmax"
+    targets: str = "posterior"
     anneal: bool = False
     anneal_floor: float = 0.5
     anneal_rate: float = 0.8
@@ -45,6 +65,10 @@ class LCCNConfig:
             raise ValueError(f"alpha must be > 0, got {self.alpha}")
         if self.warmup not in WARMUPS:
             raise ValueError(f"warmup must be one of {WARMUPS}, got {self.warmup!r}")
+        if self.targets not in TARGETS:
+            raise ValueError(f"targets must be one of {TARGETS}, got {self.targets!r}")
+        if not 0 < self.anchor_quantile < 1:
+            raise ValueError(f"anchor_quantile must lie in (0, 1), got {self.anchor_quantile}")
         if self.init not in INITS:
             raise ValueError(f"init must be one of {INITS}, got {self.init!r}")
         if self.warmup_steps < 0:
@@ -87,17 +111,57 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class MonitorConfig:
+    """The collapse monitor (per epoch of the LCCN phase; see :mod:`pipeline.monitor`).
+
+    A chain *collapses* when latent classes merge or vanish, or when the classifier trained
+    on its own samples degrades. Each check compares against the state when LCCN started:
+
+    entropy_floor: the entropy of the latent-class histogram falls below this fraction of
+        the entropy of the observed-label histogram (classes merging).
+    vanish_floor: the smallest latent class holds less than this fraction of the smallest
+        observed class (a class vanishing).
+    val_drop: accuracy on the noisy validation split falls more than this many points
+        (as a fraction) below its value at the start of LCCN (the classifier degrading);
+        needs a validation split.
+    stop: stop the run (raise :class:`~pipeline.monitor.ChainCollapsed`) instead of only
+        warning.
+    """
+
+    entropy_floor: float = 0.9
+    vanish_floor: float = 0.25
+    val_drop: float = 0.10
+    stop: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("entropy_floor", "vanish_floor", "val_drop"):
+            v = getattr(self, name)
+            if not 0 <= v <= 1:
+                raise ValueError(f"monitor {name} must lie in [0, 1], got {v}")
+
+
+@dataclass(frozen=True)
 class RunConfig:
-    """What to run: ``method`` is ``"ce"`` (baseline) or ``"lccn"`` (variants via LCCNConfig)."""
+    """What to run: ``method`` is ``"ce"`` (baseline) or ``"lccn"`` (variants via LCCNConfig).
+
+    val_fraction: the noisy validation split, carved from the training label view
+    (stratified by observed label, fixed by ``seed``) and never trained on nor counted in
+    C. Model selection uses accuracy against its *observed* labels (what a user has); the
+    clean test set is for the final report only. 0 disables it.
+    """
 
     method: str = "lccn"
     seed: int = 0
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     lccn: LCCNConfig = field(default_factory=LCCNConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    val_fraction: float = 0.05
     check_invariants: bool = True
 
     def __post_init__(self) -> None:
+        if not 0 <= self.val_fraction < 0.5:
+            raise ValueError(f"val_fraction must lie in [0, 0.5), got {self.val_fraction}")
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
 
@@ -119,4 +183,5 @@ def from_dict(cls: type[T], data: dict[str, Any]) -> T:
     return cls(**kwargs)
 
 
-_CONFIGS = {c.__name__: c for c in (LCCNConfig, OptimConfig, ModelConfig, RunConfig)}
+_CONFIGS = {c.__name__: c for c in (LCCNConfig, OptimConfig, ModelConfig, MonitorConfig,
+                                    RunConfig)}

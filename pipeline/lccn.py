@@ -27,7 +27,7 @@ from torch import Tensor
 from pipeline.config import LCCNConfig
 from pipeline.confusion import as_alpha
 from pipeline.confusion_store import Sync
-from pipeline.sampler import anneal_gamma, gibbs_step
+from pipeline.sampler import anneal_gamma, gibbs_posterior, sample_categorical
 
 
 class Store(Protocol):
@@ -47,6 +47,8 @@ class SampleStats:
     staleness: int   # commits by other workers the replica had not seen when it last synced
     changed: float   # fraction of the batch whose latent label moved
     wait: float      # seconds blocked on the store before sampling
+    posterior: Tensor | None = None  # (B, K_latent) the Eq. 7 conditional each z was drawn
+    #                                  from (one-hot at the clean label for trusted samples)
 
 
 class GibbsLabeler:
@@ -125,13 +127,17 @@ class GibbsLabeler:
         if self.trusted is not None:
             counted = ~self.trusted[idx]
         gamma = self.gamma()
-        z_new = gibbs_step(probs.detach().cpu(), observed.cpu(), z_old, self.counts, self.alpha,
-                           generator=self.generator, gamma=gamma,
-                           phi=self.phi_init if warm else None, counted=counted)
+        # gibbs_step, with the posterior kept: the same draws from the same generator
+        post = gibbs_posterior(probs.detach().cpu(), observed.cpu(), z_old, self.counts,
+                               self.alpha, gamma=gamma, phi=self.phi_init if warm else None,
+                               counted=counted)
+        z_new = sample_categorical(post, generator=self.generator)
         if counted is not None and self.clean is not None:
             z_new = torch.where(counted, z_new, self.clean[idx])
+            onehot = torch.nn.functional.one_hot(self.clean[idx], self.k_latent)
+            post = torch.where(counted.unsqueeze(1), post, onehot.to(post.dtype))
         changed = float((z_new != z_old).float().mean()) if z_new.numel() else 0.0
-        return z_new, SampleStats(gamma, warm, self._staleness, changed, waited)
+        return z_new, SampleStats(gamma, warm, self._staleness, changed, waited, post)
 
     def commit(self, idx: Tensor, z_new: Tensor, next_idx: Tensor | None) -> None:
         """Send the batch's labels and ask for ``z`` of ``next_idx``; does not wait for the

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeline.lccn import GibbsLabeler
-from pipeline.losses import clipped_cross_entropy
+from pipeline.losses import clipped_cross_entropy, soft_cross_entropy
 
 
 def _lookahead(batches: Iterable[Any]) -> Iterator[tuple[Any, Any | None]]:
@@ -38,7 +38,8 @@ def train_one_epoch(model: nn.Module, batches: Iterable[Any], optimizer: torch.o
 
     labeler None: cross-entropy on the observed labels (CE; trusted samples, if a
     ``trusted (N,) bool`` lookup is given, train on their clean label). Otherwise LCCN:
-    forward -> Gibbs-sample z (Eq. 7) -> commit z (async) -> ξ-clipped CE on z -> backward.
+    forward -> Gibbs-sample z (Eq. 7) -> commit z (async) -> ξ-clipped CE on z (or, with
+    ``targets="posterior"``, on the Eq. 7 conditional z was drawn from) -> backward.
     Returns loss, label_recovery (sampled z == clean where the clean label is known),
     changed (fraction of z that moved), staleness, gamma, step_time, sampler_time,
     sampler_share, sync_time, images_per_s, steps.
@@ -59,7 +60,7 @@ def train_one_epoch(model: nn.Module, batches: Iterable[Any], optimizer: torch.o
             z, stats = labeler.sample(probs, observed, idx)
             tot["sampler"] += time.perf_counter() - t0 - stats.wait
             tot["sync"] += stats.wait
-            target = z
+            target = z if labeler.cfg.targets != "map" else stats.posterior.argmax(1)
             # send the labels now: the round trip overlaps backward, the optimiser step and
             # the next forward; the reply is awaited by the next sample()
             t0 = time.perf_counter()
@@ -72,7 +73,12 @@ def train_one_epoch(model: nn.Module, batches: Iterable[Any], optimizer: torch.o
             target = observed
             if trusted is not None:
                 target = torch.where(trusted[idx], clean, observed)
-        loss = clipped_cross_entropy(logits, target.to(device), xi=xi, weight=valid.to(device))
+        if labeler is not None and labeler.cfg.targets == "posterior":
+            loss = soft_cross_entropy(logits, stats.posterior.to(device), xi=xi,
+                                      weight=valid.to(device))
+        else:
+            loss = clipped_cross_entropy(logits, target.to(device), xi=xi,
+                                         weight=valid.to(device))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

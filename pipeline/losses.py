@@ -25,3 +25,25 @@ def clipped_cross_entropy(logits: Tensor, target: Tensor, *, xi: float = 1e-20,
         return loss.mean()
     w = weight.to(loss.dtype)
     return (loss * w).sum() / w.sum().clamp_min(1.0)
+
+
+def soft_cross_entropy(logits: Tensor, target: Tensor, *, xi: float = 1e-20,
+                       weight: Tensor | None = None) -> Tensor:
+    """Cross-entropy against a distribution: ``-Σ_k target[m, k] log clip(softmax[m, k])``,
+    the expectation of :func:`clipped_cross_entropy` over ``z_m ~ target[m]``.
+
+    logits: (M, K); target: (M, K) rows sum to 1 (e.g. the Eq. 7 conditional). The same
+    ξ-clipping and weighting as :func:`clipped_cross_entropy`; for a one-hot ``target`` the
+    two are equal.
+    """
+    if not 0 < xi < 0.5:
+        raise ValueError(f"xi must lie in (0, 0.5), got {xi}")
+    if target.shape != logits.shape:
+        raise ValueError(f"target must be {tuple(logits.shape)}, got {tuple(target.shape)}")
+    upper = math.log1p(-xi) if xi > 1e-15 else 0.0
+    logp = torch.log_softmax(logits.float(), dim=1).clamp(math.log(xi), upper)
+    loss = -(target.to(logp.dtype) * logp).sum(1)
+    if weight is None:
+        return loss.mean()
+    w = weight.to(loss.dtype)
+    return (loss * w).sum() / w.sum().clamp_min(1.0)

@@ -10,6 +10,27 @@ import torch
 from torch import Tensor
 
 
+def estimate_phi_init(cfg, probs: Tensor, observed: Tensor, k_latent: int, num_classes: int,
+                      *, reduce=None) -> Tensor:
+    """The warm-up transition ``phi_init (K_latent, K)`` (rows sum to 1) that
+    ``cfg.warmup`` (an :class:`~pipeline.config.LCCNConfig`) names, from the pretrained
+    classifier's ``probs (N, K_latent)`` and the ``observed (N,)`` labels of this worker's
+    samples; ``reduce`` sums partial statistics over workers (identity in one process)."""
+    if cfg.warmup == "identity":
+        return smoothed_identity(k_latent, num_classes, smoothing=cfg.warmup_smoothing)
+    if cfg.warmup == "anchor":
+        return anchor_transition(probs, num_classes, quantile=cfg.anchor_quantile,
+                                 reduce=reduce)
+    if cfg.warmup == "eq8":
+        reduce = reduce or (lambda t: t)
+        onehot = torch.nn.functional.one_hot(observed.long(), num_classes).to(torch.float64)
+        num = reduce(probs.to(torch.float64).T @ onehot)                  # (K_latent, K)
+        den = num.sum(1, keepdim=True)
+        uniform = torch.full_like(num, 1.0 / num_classes)
+        return torch.where(den > 0, num / den.clamp_min(1e-300), uniform)
+    raise ValueError(f"unknown warm-up {cfg.warmup!r}")
+
+
 def soft_confusion(probs: Tensor, observed: Tensor, num_classes: int) -> Tensor:
     """Eq. 8: ``phi_init[k, j] = Σ_n 1(ỹ_n = j) P(k | x_n) / Σ_n P(k | x_n)``.
 
@@ -59,3 +80,53 @@ def initial_assignment(observed: Tensor, *, probs: Tensor | None = None,
             raise ValueError(f"probs has {probs.shape[0]} rows for {observed.shape[0]} samples")
         return probs.argmax(1).long()
     raise ValueError(f"unknown initial assignment mode {mode!r}; use 'argmax' or 'observed'")
+
+
+def anchor_transition(probs: Tensor, num_classes: int, *, quantile: float = 0.97,
+                      bins: int = 1000, reduce=None) -> Tensor:
+    """The anchor-point estimate of phi (Patrini et al. 2017, "Making deep neural networks
+    robust to label noise: a loss correction approach", Sec. 3.4).
+
+    A classifier trained with cross-entropy on the observed labels estimates the *noisy*
+    posterior ``P(ỹ = j | x) = Σ_k P(k | x) phi[k, j]``. At an anchor of class k (a sample
+    whose clean posterior is one-hot at k) that is exactly row k of phi. The anchors of k
+    are taken as the samples whose ``P(k | x)`` is at or above its ``quantile``-th quantile
+    over the split (the robust variant of the paper's arg max); row k is the mean of their
+    predicted distributions. Unlike Eq. 8, which reads the same classifier as the *clean*
+    posterior, this stays consistent when the classifier is flat.
+
+    probs: (N, K_latent) predictions of the pretrained classifier, K_latent = K or K + 1
+        (LCCN*: the outlier output is dropped and renormalised over the K observed classes,
+        the outlier row is uniform). ``reduce``: an optional sum over workers (all-reduce)
+        applied to the (K, bins) histograms and the (K, K) sums, so every rank of a
+        distributed run computes the same estimate from its own shard of ``probs``.
+        The quantile is located on a ``bins``-bin histogram of each column.
+    Returns (K_latent, K) float64, rows sum to 1.
+    """
+    if probs.ndim != 2 or probs.shape[1] not in (num_classes, num_classes + 1):
+        raise ValueError(f"probs must be (N, K or K+1) with K={num_classes}, got "
+                         f"{tuple(probs.shape)}")
+    if not 0 < quantile < 1:
+        raise ValueError(f"quantile must lie in (0, 1), got {quantile}")
+    reduce = reduce or (lambda t: t)
+    k_latent, k = probs.shape[1], num_classes
+    p = probs[:, :k].to(torch.float64)
+    p = p / p.sum(1, keepdim=True).clamp_min(1e-300)                     # (N, K)
+    b = (p * bins).long().clamp_(0, bins - 1)                             # (N, K) bin of P(k|x)
+    hist = torch.zeros(k, bins, dtype=torch.float64)
+    hist.scatter_add_(1, b.T.contiguous(), torch.ones(k, p.shape[0], dtype=torch.float64))
+    hist = reduce(hist)
+    total = hist.sum(1, keepdim=True)                                     # (K, 1) = N
+    at_or_above = hist.flip(1).cumsum(1).flip(1)                          # [k, b] = #(bin >= b)
+    need = ((1 - quantile) * total).ceil().clamp_min(1)
+    # the highest bin whose tail still holds at least `need` samples
+    ok = at_or_above >= need
+    first_bin = (ok * torch.arange(bins, dtype=torch.float64)).amax(1).long()   # (K,)
+    anchor = b >= first_bin.unsqueeze(0)                                  # (N, K) bool
+    sums = anchor.to(torch.float64).T @ p                                 # (K, K): rows sum P(.|x)
+    sums = reduce(sums)
+    cnt = sums.sum(1, keepdim=True)
+    phi = torch.where(cnt > 0, sums / cnt.clamp_min(1e-300), torch.full_like(sums, 1.0 / k))
+    if k_latent > k:
+        phi = torch.cat([phi, torch.full((1, k), 1.0 / k, dtype=torch.float64)])
+    return phi
