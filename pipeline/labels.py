@@ -95,6 +95,14 @@ class LabelView:
             return float("nan")
         return float((self.observed[known] != self.clean[known]).mean())
 
+    def take(self, rows: np.ndarray) -> "LabelView":
+        """The view of the samples at ``rows`` (int64, in that order; they become idx
+        ``0..len(rows)-1`` of the new view). The generating ``transition`` is kept."""
+        rows = np.asarray(rows, dtype=np.int64)
+        return LabelView(self.observed[rows], self.clean[rows], self.num_classes,
+                         trusted=self.trusted[rows], ood=self.ood[rows],
+                         transition=self.transition, spec=dict(self.spec))
+
     def realised_transition(self, *, k_latent: int | None = None) -> np.ndarray:
         """Empirical ``T[k, j]`` from samples with a known clean label; rows sum to 1 (or 0)."""
         k = self.num_classes
@@ -142,3 +150,28 @@ class LabelView:
                    num_classes=meta["num_classes"], trusted=arrays.get("trusted"),
                    ood=arrays.get("ood"), transition=arrays.get("transition"),
                    spec=meta.get("spec", {}))
+
+
+def holdout_split(observed: np.ndarray, fraction: float, *, seed: int
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """Carve a noisy validation split from a training label view.
+
+    Stratified by observed label: ``round(fraction * n_j)`` samples of each observed class
+    j, drawn with a generator seeded by ``seed`` alone (the same split for every method and
+    run of one seed). Returns ``(train_rows, val_rows)``, disjoint, sorted, int64, covering
+    ``0..N-1``. ``fraction`` 0 gives an empty validation split.
+    """
+    observed = np.asarray(observed, dtype=np.int64)
+    if not 0 <= fraction < 1:
+        raise ValueError(f"validation fraction must lie in [0, 1), got {fraction}")
+    rng = np.random.default_rng([int(seed), 0x76616C])
+    val = []
+    for j in np.unique(observed):
+        rows = np.flatnonzero(observed == j)
+        n_val = int(round(fraction * rows.size))
+        if n_val:
+            val.append(rng.choice(rows, n_val, replace=False))
+    val_rows = np.sort(np.concatenate(val)) if val else np.zeros(0, np.int64)
+    mask = np.ones(observed.size, bool)
+    mask[val_rows] = False
+    return np.flatnonzero(mask).astype(np.int64), val_rows.astype(np.int64)

@@ -15,11 +15,14 @@ from torch import Tensor, nn
 
 from pipeline.config import RunConfig
 from pipeline.confusion_store import ConfusionStore
-from pipeline.labels import LabelView
+import numpy as np
+
+from pipeline.labels import LabelView, holdout_split
 from pipeline.lccn import GibbsLabeler
 from pipeline.loop import evaluate, predict, train_one_epoch
 from pipeline.models import build_model
-from pipeline.warmup import initial_assignment, smoothed_identity, soft_confusion
+from pipeline.monitor import CollapseMonitor, chain_health
+from pipeline.warmup import estimate_phi_init, initial_assignment
 
 
 class Batch(NamedTuple):
@@ -56,6 +59,18 @@ class TensorData:
     def __len__(self) -> int:
         return self.images.shape[0]
 
+    def take(self, rows: np.ndarray) -> "TensorData":
+        """The samples at ``rows`` as a new split (they become idx ``0..len(rows)-1``)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        return TensorData(self.images[torch.from_numpy(rows)], self.labels.take(rows),
+                          augment=self.augment)
+
+    def noisy(self) -> "TensorData":
+        """The same images scored against their *observed* labels (a noisy validation
+        split: what a user without clean labels can measure)."""
+        obs = self.labels.observed
+        return TensorData(self.images, LabelView(obs, obs, self.labels.num_classes))
+
     def batches(self, batch_size: int, *, generator: torch.Generator | None = None
                 ) -> Iterator[Batch]:
         """Shuffled (and augmented, if :attr:`augment` is set) when a generator is given;
@@ -81,12 +96,28 @@ def transition_error(phi: Tensor, truth) -> float:
     return float((phi[:rows].to(torch.float64) - t[:rows]).abs().mean())
 
 
+def select_epoch(history: list[dict[str, float]], key: str = "val_top1") -> int:
+    """Index of the row with the highest ``key`` (the first on ties): the epoch a
+    practitioner would keep, chosen on the noisy validation split. The last row when no
+    row has a finite ``key``."""
+    vals = [r.get(key, float("nan")) for r in history]
+    finite = [i for i, v in enumerate(vals) if v == v]
+    if not finite:
+        return len(history) - 1
+    return max(finite, key=lambda i: (vals[i], -i))
+
+
 class LocalTrainer:
     """Trains one model on one split in this process.
 
     ``fit`` runs ``optim.pretrain_epochs`` of CE, then (method "lccn") estimates
     ``phi_init`` and the initial assignment from the pretrained model and continues with
     LCCN; method "ce" continues with CE on the same learning-rate schedule.
+
+    ``cfg.val_fraction`` of ``train`` (stratified by observed label, fixed by the seed) is
+    held out as a noisy validation split: never trained on, never counted in C, scored
+    each epoch against its observed labels (``val_top1``). ``self.train`` is the rest; its
+    idx are ``0..len(self.train)-1`` (``self.train_rows`` maps them back to ``train``).
     """
 
     def __init__(self, cfg: RunConfig, train: TensorData, test: TensorData, *,
@@ -94,6 +125,13 @@ class LocalTrainer:
         k = train.labels.num_classes
         if test.labels.num_classes != k:
             raise ValueError(f"train has {k} classes but test has {test.labels.num_classes}")
+        self.val: TensorData | None = None
+        self.train_rows = np.arange(len(train), dtype=np.int64)
+        if cfg.val_fraction > 0:
+            self.train_rows, val_rows = holdout_split(train.labels.observed, cfg.val_fraction,
+                                                      seed=cfg.seed)
+            self.val = train.take(val_rows).noisy()
+            train = train.take(self.train_rows)
         self.cfg, self.train, self.test, self.device = cfg, train, test, device
         self.num_classes = k
         self.k_latent = k + 1 if (cfg.method == "lccn" and cfg.lccn.outlier) else k
@@ -109,6 +147,8 @@ class LocalTrainer:
         self.labeler: GibbsLabeler | None = None
         trusted = torch.from_numpy(train.labels.trusted)
         self.trusted = trusted if (cfg.method == "lccn" and cfg.lccn.use_trusted) else None
+        self.monitor = CollapseMonitor(cfg.monitor)
+        self.phi_init: Tensor | None = None
 
     def _start_lccn(self) -> dict[str, float]:
         """Algorithm 3 lines 2-3: phi_init and C from the pretrained classifier."""
@@ -117,11 +157,8 @@ class LocalTrainer:
         order = torch.argsort(idx)
         probs = probs[order]
         observed = self.train.observed
-        if lc.warmup == "eq8":
-            phi_init = soft_confusion(probs, observed, self.num_classes)
-        else:
-            phi_init = smoothed_identity(self.k_latent, self.num_classes,
-                                         smoothing=lc.warmup_smoothing)
+        phi_init = estimate_phi_init(lc, probs, observed, self.k_latent, self.num_classes)
+        self.pretrained_probs = probs
         z0 = initial_assignment(observed, probs=probs, mode=lc.init)
         counted = None
         if self.trusted is not None:
@@ -135,7 +172,22 @@ class LocalTrainer:
             max_steps=(o.epochs - o.pretrain_epochs) * steps_per_epoch, generator=self.gen,
             trusted=self.trusted, clean=self.train.clean)
         self.phi_init = phi_init
+        self.monitor.start(self._val_top1())
         return {"init_transition_error": transition_error(phi_init, self.train.labels.transition)}
+
+    def _val_top1(self) -> float:
+        if self.val is None:
+            return float("nan")
+        return evaluate(self.model, self.val.batches(512), num_classes=self.num_classes,
+                        device=self.device)["top1"]
+
+    def health(self) -> dict[str, float]:
+        """The collapse monitor's statistics of the current chain (LCCN phase only)."""
+        if self.store is None:
+            return {}
+        return chain_health(self.store.z, self.store.observed, self.k_latent, self.num_classes,
+                            counted=self.store.counted, phi=self.store.transition(),
+                            phi_init=self.phi_init)
 
     def fit(self, *, on_epoch: Callable[[int, dict[str, float]], None] | None = None
             ) -> list[dict[str, float]]:
@@ -157,6 +209,7 @@ class LocalTrainer:
                           device=self.device)
             row = {"epoch": float(epoch), "phase": 1.0 if labeler is not None else 0.0,
                    "lr": float(self.optimizer.param_groups[0]["lr"]), **stats,
+                   "val_top1": self._val_top1(),
                    "test_top1": ev["top1"], "test_top5": ev["top5"],
                    "epoch_time": time.perf_counter() - t0, **extra}
             if self.store is not None:
@@ -164,6 +217,10 @@ class LocalTrainer:
                     self.store.check()
                 row["transition_error"] = transition_error(self.store.transition(),
                                                            self.train.labels.transition)
+                health = self.health()
+                row.update(health)
+                row["collapse"] = float(bool(self.monitor.check(health, row["val_top1"],
+                                                                epoch=epoch)))
             else:
                 row["transition_error"] = float("nan")
             history.append(row)

@@ -1,0 +1,113 @@
+"""Collapse monitor: is the Gibbs chain still telling the classes apart?
+
+A chain *collapses* when it drifts into a degenerate state the noise model cannot leave by
+itself: latent classes merge or vanish (z no longer separates the classes), or the
+classifier trained on its own samples degrades while phi absorbs the damage. The
+statistics here are cheap (one pass over z) and pure; the trainers compute them once per
+epoch from the store, log them, and hand them to :class:`CollapseMonitor`.
+
+Conventions: ``z (N,) int64`` in ``[0, K_latent)``, ``observed (N,) int64`` in ``[0, K)``,
+``phi[k, j] = P(observed = j | latent = k)`` (rows sum to 1).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+from torch import Tensor
+
+from pipeline.config import MonitorConfig
+
+
+class ChainCollapsed(RuntimeError):
+    """Raised by :meth:`CollapseMonitor.check` when ``MonitorConfig.stop`` is set."""
+
+
+class CollapseWarning(UserWarning):
+    """Emitted by :meth:`CollapseMonitor.check` for a degenerate chain."""
+
+
+def _entropy(hist: Tensor) -> float:
+    p = hist.to(torch.float64)
+    p = p / p.sum().clamp_min(1.0)
+    p = p[p > 0]
+    return float(-(p * p.log()).sum())
+
+
+def chain_health(z: Tensor, observed: Tensor, k_latent: int, num_classes: int, *,
+                 counted: Tensor | None = None, phi: Tensor | None = None,
+                 phi_init: Tensor | None = None) -> dict[str, float]:
+    """Statistics of the chain state over the counted samples.
+
+    Returns ``latent_entropy`` (entropy of the latent-class histogram over the first K
+    latent classes, in nats, divided by that of the observed-label histogram: 1 when z is
+    spread like the labels, lower when classes merge), ``latent_min_share`` (the smallest
+    of the first K latent classes relative to the smallest observed class; 0 = a class
+    vanished), ``z_agreement`` (fraction with z = observed), ``outlier_share`` (fraction in
+    the outlier row, 0 without one) and, when both are given, ``phi_drift`` (mean absolute
+    difference between phi and phi_init).
+    """
+    if counted is not None:
+        z, observed = z[counted], observed[counted]
+    zh = torch.bincount(z.long(), minlength=k_latent)
+    oh = torch.bincount(observed.long(), minlength=num_classes)
+    h_obs = _entropy(oh)
+    out = {
+        "latent_entropy": _entropy(zh[:num_classes]) / h_obs if h_obs > 0 else float("nan"),
+        "latent_min_share": float(zh[:num_classes].min()) / max(float(oh[oh > 0].min()), 1.0)
+        if oh.any() else float("nan"),
+        "z_agreement": float((z == observed).double().mean()) if z.numel() else float("nan"),
+        "outlier_share": float(zh[num_classes:].sum()) / max(z.numel(), 1),
+    }
+    if phi is not None and phi_init is not None:
+        out["phi_drift"] = float((phi.to(torch.float64) - phi_init.to(torch.float64))
+                                 .abs().mean())
+    return out
+
+
+class CollapseMonitor:
+    """Checks the per-epoch health of an LCCN run against :class:`MonitorConfig`.
+
+    ``start(val_top1)`` records the noisy validation accuracy when LCCN starts (NaN without
+    a validation split); ``check(health, val_top1)`` returns the list of reasons the chain
+    looks collapsed (empty when healthy), warns with :class:`CollapseWarning` and, with
+    ``stop``, raises :class:`ChainCollapsed`.
+    """
+
+    def __init__(self, cfg: MonitorConfig) -> None:
+        self.cfg = cfg
+        self.val_start = float("nan")
+        self.fired = 0
+
+    def start(self, val_top1: float) -> None:
+        self.val_start = float(val_top1)
+
+    def reasons(self, health: dict[str, float], val_top1: float = float("nan")) -> list[str]:
+        c, out = self.cfg, []
+        ent = health.get("latent_entropy", float("nan"))
+        if ent < c.entropy_floor:
+            out.append(f"latent classes merging: latent-histogram entropy {ent:.3f} of the "
+                       f"observed labels' (floor {c.entropy_floor})")
+        share = health.get("latent_min_share", float("nan"))
+        if share < c.vanish_floor:
+            out.append(f"a latent class vanishing: the smallest holds {share:.3f} of the "
+                       f"smallest observed class (floor {c.vanish_floor})")
+        if not math.isnan(self.val_start) and not math.isnan(val_top1) \
+                and val_top1 < self.val_start - c.val_drop:
+            out.append(f"classifier degrading: noisy validation accuracy {val_top1:.4f}, "
+                       f"{self.val_start:.4f} when LCCN started (allowed drop {c.val_drop})")
+        return out
+
+    def check(self, health: dict[str, float], val_top1: float = float("nan"), *,
+              epoch: int | None = None) -> list[str]:
+        found = self.reasons(health, val_top1)
+        if found:
+            self.fired += 1
+            where = f" at epoch {epoch}" if epoch is not None else ""
+            msg = f"LCCN chain collapse suspected{where}: " + "; ".join(found)
+            if self.cfg.stop:
+                raise ChainCollapsed(msg)
+            warnings.warn(msg, CollapseWarning, stacklevel=2)
+        return found
