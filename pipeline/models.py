@@ -43,6 +43,7 @@ __all__ = [
     "resnet50",
     "inception_resnet_v2",
     "small_cnn",
+    "cnn_wide",
 ]
 
 
@@ -219,6 +220,13 @@ def small_cnn(num_classes: int, *, in_channels: int = 3, pretrained: bool = Fals
     return SmallCNN(num_classes, in_channels=in_channels)
 
 
+def cnn_wide(num_classes: int, *, in_channels: int = 3, pretrained: bool = False) -> nn.Module:
+    """:class:`SmallCNN` with widths 64/128/256 (~0.37M parameters): the CPU benchmarks'
+    model, strong enough to show a noise model on CIFAR-10 (about 4x small_cnn's step)."""
+    _no_pretrained("cnn_wide", pretrained)
+    return SmallCNN(num_classes, in_channels=in_channels, widths=(64, 128, 256))
+
+
 def preact_resnet32(
     num_classes: int, *, in_channels: int = 3, pretrained: bool = False
 ) -> nn.Module:
@@ -331,6 +339,7 @@ Builder = Callable[..., nn.Module]
 
 MODELS: dict[str, Builder] = {
     "small_cnn": small_cnn,
+    "cnn_wide": cnn_wide,
     "preact_resnet32": preact_resnet32,
     "preact_resnet18": preact_resnet18,
     "resnet50": resnet50,

@@ -30,6 +30,8 @@ The ``spec`` form accepted by :func:`make_view` (what Ray Tune and the jobs pass
     {"kind": "open_set", "fraction": 0.2, "seed": 0, "noise": {<closed-set spec>}}
         (or "count": 10000 instead of "fraction"; optional "pixel_seed", default "seed")
     {"kind": "csv", "path": "labels.csv", "missing": "raise"}  (optional "sha256" is checked)
+    {"kind": "instance", "rate": 0.4, "seed": 0, "norm_std": 0.1}
+        (instance-dependent, Xia et al. 2020; needs the images as features=)
 
 and any of them may carry ``"trusted": {"fraction": 0.1, "seed": 0, "per_class": True}``
 (or ``"count"``; optional ``"include_ood": True``) to mark an LCCN+ trusted subset.
@@ -581,10 +583,67 @@ def _with_spec(v: LabelView, spec: dict[str, Any]) -> LabelView:
                      trusted=v.trusted, ood=v.ood, transition=v.transition, spec=spec)
 
 
+# -- instance-dependent noise ----------------------------------------------------------------
+
+
+def instance_dependent(clean: Any, features: Any, num_classes: int, rate: float, *, seed: int,
+                       norm_std: float = 0.1) -> LabelView:
+    """Instance-dependent label noise, the generator of Xia et al. 2020 ("Part-dependent
+    label noise: towards instance-dependent label noise", NeurIPS), the common stand-in for
+    human annotation noise ("IDN-r").
+
+    Each sample n draws a flip rate ``q_n`` from a normal of mean ``rate`` and std
+    ``norm_std`` truncated to [0, 1]; one Gaussian projection ``W[c] (d, K)`` per clean
+    class c maps the sample's features to scores over the K classes; the true class's
+    score is removed and the rest softmaxed, so the flip target depends on the image:
+    ``P(observed = j | x_n) = q_n softmax(x_n W[c_n])_j`` for ``j != c_n``, ``1 - q_n`` for
+    ``j = c_n``. The expected realised flip rate is the mean of the truncated normal
+    (``rate`` for 0.1 <= rate <= 0.9 at the default std).
+
+    clean: (N,) int in [0, K); features: (N, d) float, e.g. the flattened, normalised
+    images (as in the reference code). There is no class-level transition that generates
+    this noise; the view's ``transition`` is the *realised* ``T[k, j]`` (rows sum to 1).
+    """
+    from scipy.stats import truncnorm  # scikit-learn's dependency; only this generator needs it
+
+    k = _check_k(num_classes)
+    c = _check_clean(clean, k)
+    rate = _check_rate(rate)
+    x = np.asarray(features, dtype=np.float32).reshape(len(c), -1)
+    if not np.isfinite(x).all():
+        bad = int(np.flatnonzero(~np.isfinite(x).all(1))[0])
+        raise ValueError(f"features of idx {bad} are not finite")
+    if not norm_std > 0:
+        raise ValueError(f"norm_std must be > 0, got {norm_std}")
+    rng = _rng(seed, "instance")
+    q = truncnorm.rvs(-rate / norm_std, (1 - rate) / norm_std, loc=rate, scale=norm_std,
+                      size=len(c), random_state=rng)
+    w = rng.standard_normal((k, x.shape[1], k)).astype(np.float32)
+    p = np.empty((len(c), k), dtype=np.float64)
+    for cls in range(k):
+        rows = np.flatnonzero(c == cls)
+        if rows.size == 0:
+            continue
+        a = (x[rows] @ w[cls]).astype(np.float64)                       # (n_c, K)
+        a[:, cls] = -np.inf
+        a = np.exp(a - a.max(1, keepdims=True))
+        a /= a.sum(1, keepdims=True)
+        a *= q[rows, None]
+        a[:, cls] = 1.0 - q[rows]
+        p[rows] = a
+    u = rng.random(len(c))[:, None]
+    obs = np.minimum((p.cumsum(1) < u).sum(1), k - 1).astype(np.int64)
+    t = np.zeros((k, k))
+    np.add.at(t, (c, obs), 1.0)
+    t /= np.maximum(t.sum(1, keepdims=True), 1.0)
+    spec = {"kind": "instance", "rate": rate, "seed": int(seed), "norm_std": float(norm_std)}
+    return LabelView(observed=obs, clean=c, num_classes=k, transition=t, spec=spec)
+
+
 # -- spec dispatch ---------------------------------------------------------------------------
 
 _CLOSED_KINDS = ("clean", "symmetric", "asymmetric", "pair_flip", "cifar100_superclass")
-KINDS = (*_CLOSED_KINDS, "dataset", "open_set", "csv")
+KINDS = (*_CLOSED_KINDS, "dataset", "open_set", "csv", "instance")
 _KEYS: dict[str, tuple[set[str], set[str]]] = {  # kind -> (required, optional) keys
     "clean": (set(), set()),
     "dataset": (set(), set()),
@@ -594,6 +653,7 @@ _KEYS: dict[str, tuple[set[str], set[str]]] = {  # kind -> (required, optional) 
     "cifar100_superclass": ({"rate", "seed"}, {"exact"}),
     "open_set": ({"seed"}, {"fraction", "count", "noise", "pixel_seed"}),
     "csv": ({"path"}, {"missing", "sha256", "listed"}),
+    "instance": ({"rate", "seed"}, {"norm_std"}),
 }
 _TRUSTED_KEYS = ({"seed"}, {"fraction", "count", "per_class", "include_ood"})
 
@@ -617,14 +677,15 @@ def _flag(d: Mapping[str, Any], name: str, default: bool, what: str) -> bool:
 
 def make_view(spec: Mapping[str, Any], clean: Any, num_classes: int, *,
               keys: Sequence[str] | None = None, coarse: Any = None,
-              observed: Any = None) -> LabelView:
+              observed: Any = None, features: Any = None) -> LabelView:
     """Build a label view from a plain-data ``spec`` (see the module docstring for kinds).
 
     clean: ``(N,)`` clean labels. The synthetic kinds need every label in ``[0, K)``;
     ``"dataset"`` and ``"csv"`` accept ``-1`` (unknown) and ``K`` (outlier).
     keys: ``(N,)`` sample keys, needed by ``"csv"``. coarse: optional CIFAR-100 coarse
     labels, checked by ``"cifar100_superclass"``. observed: the dataset's own labels, needed
-    by ``"dataset"`` and by ``"csv"`` with ``"missing": "keep"``.
+    by ``"dataset"`` and by ``"csv"`` with ``"missing": "keep"``. features: ``(N, d)``
+    per-sample features (the flattened images), needed by ``"instance"``.
 
     Raises ``ValueError`` naming the offending key or value. The returned ``view.spec`` is
     the normalised spec: ``make_view(view.spec, ...)`` rebuilds the same view.
@@ -633,7 +694,16 @@ def make_view(spec: Mapping[str, Any], clean: Any, num_classes: int, *,
         raise ValueError(f"spec must be a dict, got {type(spec).__name__}: {spec!r}")
     spec = dict(spec)
     trusted = spec.pop("trusted", None)
-    view = _make_base(spec, clean, num_classes, keys=keys, coarse=coarse, observed=observed)
+    if spec.get("kind") == "instance":
+        _check_keys({k: v for k, v in spec.items() if k != "kind"}, *_KEYS["instance"],
+                    "spec kind 'instance'")
+        if features is None:
+            raise ValueError("spec kind 'instance' needs features= (the images, (N, d))")
+        view = instance_dependent(clean, features, num_classes, spec["rate"],
+                                  seed=spec["seed"], norm_std=spec.get("norm_std", 0.1))
+    else:
+        view = _make_base(spec, clean, num_classes, keys=keys, coarse=coarse,
+                          observed=observed)
     if trusted is not None:
         if not isinstance(trusted, Mapping):
             raise ValueError(f"spec 'trusted' must be a dict, got {trusted!r}")
