@@ -30,7 +30,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.config import LCCNConfig, ModelConfig, OptimConfig, RunConfig  # noqa: E402
+from pipeline.config import (LCCNConfig, ModelConfig, MonitorConfig, OptimConfig,  # noqa: E402
+                             RunConfig)
 from pipeline.dist_worker import DistConfig  # noqa: E402
 from pipeline.labels import LabelView  # noqa: E402
 from pipeline.manifest import Manifest  # noqa: E402
@@ -55,7 +56,8 @@ class Preset:
     pretrain_epochs: int
     weight_decay: float
     warmup_steps: int
-    warmup: str = "eq8"
+    warmup: str = "anchor"
+    targets: str = "posterior"
     anneal: bool = False
     milestones: tuple[int, ...] = ()
     lr_values: tuple[float, ...] = ()
@@ -69,25 +71,32 @@ class Preset:
 PRESETS: dict[str, Preset] = {p.name: p for p in (
     # PreAct ResNet-32, SGD 0.9, wd 5e-4, batch 128, 120 epochs, lr 0.5 / 0.1 / 0.01 split at
     # epochs 40 and 80; warm-up 20,000 steps with Eq. 8 (CIFAR-10) or the identity
-    # (CIFAR-100); alpha 1. Our choice: the first lr phase (40 epochs) is the CE pre-training.
-    Preset("cifar10", "preact_resnet32", "cifar", 128, 0.5, 120, 40, 5e-4, 20_000, "eq8",
+    # (CIFAR-100); alpha 1. Our choices: the first lr phase (40 epochs) is the CE pre-training;
+    # the warm-up transition is the anchor-point estimate, not Eq. 8 (--warmup eq8 for the
+    # paper's), and the classifier trains on the posterior (--targets sample for the
+    # paper's): the library defaults, which do not collapse from a weak start (docs/fidelity.md)
+    Preset("cifar10", "preact_resnet32", "cifar", 128, 0.5, 120, 40, 5e-4, 20_000, "anchor",
            milestones=(40, 80), lr_values=(0.5, 0.1, 0.01),
            note="the first 40 epochs (lr 0.5) are the CE pre-training"),
     Preset("cifar100", "preact_resnet32", "cifar", 128, 0.5, 120, 40, 5e-4, 20_000, "identity",
            milestones=(40, 80), lr_values=(0.5, 0.1, 0.01),
            note="the first 40 epochs (lr 0.5) are the CE pre-training"),
     # ResNet-50 (ImageNet weights), batch 32, lr 0.001 fixed, 5 epochs, wd 1e-3, warm-up
-    # 40,000 steps, power annealing on. Our choice: 1 of the 5 epochs is CE pre-training.
-    Preset("clothing1m", "resnet50", "clothing1m", 32, 0.001, 5, 1, 1e-3, 40_000, "eq8",
+    # 40,000 steps, power annealing on. Our choices: 1 of the 5 epochs is CE pre-training;
+    # anchor warm-up and posterior targets as above.
+    Preset("clothing1m", "resnet50", "clothing1m", 32, 0.001, 5, 1, 1e-3, 40_000, "anchor",
            anneal=True, pretrained=True, note="1 of the 5 epochs is CE pre-training"),
     # Inception-ResNet-v2, batch 64, lr 0.01 divided by 10 after 40 epochs, annealing on.
     # The paper gives neither the epoch count nor wd nor warm-up: ours are 80, 5e-4, 40,000.
     Preset("webvision", "inception_resnet_v2", "webvision", 64, 0.01, 80, 10, 5e-4, 40_000,
-           "eq8", anneal=True, milestones=(40,),
+           "anchor", anneal=True, milestones=(40,),
            note="80 epochs (10 CE), wd 5e-4 and 40,000 warm-up steps are our choices"),
     # the quickstart: scikit-learn digits, small CNN on the CPU
-    Preset("digits", "small_cnn", "digits", 32, 0.1, 30, 8, 5e-4, 0, "eq8",
-           milestones=(20,), in_channels=1),
+    # targets "sample": on 1,257 digits a small CNN memorises the noisy labels, and the
+    # sampled z (which relabels) beats the posterior target (which follows the labels once
+    # memorised): +7.2 vs +2.4 points over CE on three seeds (docs/fidelity.md)
+    Preset("digits", "small_cnn", "digits", 32, 0.1, 30, 8, 5e-4, 0, "anchor",
+           targets="sample", milestones=(20,), in_channels=1),
 )}
 
 
@@ -147,7 +156,13 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
     m.add_argument("--alpha", type=float, default=preset.alpha, help="Dirichlet alpha")
     m.add_argument("--warmup-steps", type=int, default=preset.warmup_steps,
                    help="LCCN steps sampling with phi_init (delta)")
-    m.add_argument("--warmup", choices=("eq8", "identity"), default=preset.warmup)
+    m.add_argument("--warmup", choices=("anchor", "eq8", "identity"), default=preset.warmup,
+                   help="how phi_init is estimated (LCCNConfig.warmup)")
+    m.add_argument("--targets", choices=("sample", "posterior", "map"),
+                   default=preset.targets,
+                   help="what the classifier trains on in the LCCN phase (LCCNConfig.targets)")
+    m.add_argument("--stop-on-collapse", action="store_true",
+                   help="stop the run when the collapse monitor fires (default: warn)")
     m.add_argument("--anneal", action=argparse.BooleanOptionalAction, default=preset.anneal,
                    help="power annealing max(exp(-0.8 step/max_step), 0.5)")
     m.add_argument("--outlier", action="store_true", help="LCCN*: K+1 latent classes")
@@ -180,8 +195,12 @@ def run_config(args: argparse.Namespace) -> RunConfig:
                           batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
                           milestones=tuple(args.milestones), lr_decay=args.lr_decay),
         lccn=LCCNConfig(alpha=args.alpha, warmup_steps=args.warmup_steps, warmup=args.warmup,
-                        anneal=anneal, outlier=args.outlier,
-                        use_trusted=args.trusted_fraction > 0))
+                        targets=args.targets, anneal=anneal, outlier=args.outlier,
+                        use_trusted=args.trusted_fraction > 0),
+        monitor=MonitorConfig(stop=args.stop_on_collapse),
+        # the distributed jobs do not carve a noisy validation split yet: every training
+        # sample trains and is counted in C
+        val_fraction=0.0)
 
 
 def apply_smoke(args: argparse.Namespace) -> None:

@@ -58,7 +58,8 @@ from pipeline.labels import LabelView
 from pipeline.lccn import GibbsLabeler, SampleStats
 from pipeline.loop import evaluate, predict, train_one_epoch
 from pipeline.models import build_model
-from pipeline.warmup import initial_assignment, smoothed_identity
+from pipeline.monitor import CollapseMonitor, chain_health
+from pipeline.warmup import estimate_phi_init, initial_assignment
 
 STATE_FILE = "state.pt"
 META_FILE = "meta.json"
@@ -255,14 +256,6 @@ def _scheduler(optimizer: torch.optim.Optimizer, run: RunConfig, dist: DistConfi
         optimizer, lambda e: values[sum(e >= m for m in miles)] / o.lr)
 
 
-def _phi_from_numerator(num: Tensor, num_classes: int) -> Tensor:
-    """Eq. 8 from its numerator ``num[k, j] = sum_n P(k|x_n) 1(obs_n = j)`` (K_latent, K):
-    rows normalised to sum 1; a row no sample predicts is uniform (as ``soft_confusion``)."""
-    den = num.sum(1, keepdim=True)
-    uniform = torch.full_like(num, 1.0 / num_classes)
-    return torch.where(den > 0, num / den.clamp_min(1e-300), uniform)
-
-
 def transition_error(phi: Tensor, truth: Any) -> float:
     """Mean |phi - truth| over the rows both have (NaN without a truth)."""
     if truth is None:
@@ -374,6 +367,7 @@ def run_worker(run: RunConfig, dist: DistConfig, view: LabelView, store: Any,
                      if dist.test_source else None)
     failures = _Failures(dist.inject_failure, rank, dist.run_dir)
     labeler: DistLabeler | None = None
+    monitor = CollapseMonitor(run.monitor)
     rows: list[dict[str, float]] = []
     if start_epoch >= o.epochs and rank == 0:
         print(f"run {dist.run_name}: already complete ({start_epoch} of {o.epochs} epochs in "
@@ -414,7 +408,8 @@ def run_worker(run: RunConfig, dist: DistConfig, view: LabelView, store: Any,
                             scheduler=scheduler, run=run, dist=dist, view=view,
                             k_latent=k_latent, epoch=epoch_next, batch=batch_next,
                             global_step=global_step, lccn_step=lccn_step, phi_init=phi_init,
-                            run_id=run_id, history=history, metrics=metrics, final=final)
+                            run_id=run_id, history=history, metrics=metrics, final=final,
+                            monitor=monitor if active is not None else None)
 
             def after_step() -> None:
                 nonlocal global_step, done_in_epoch
@@ -444,6 +439,14 @@ def run_worker(run: RunConfig, dist: DistConfig, view: LabelView, store: Any,
             history.append(row)
             rows.append(row)
             save(epoch + 1, 0, row, final=epoch + 1 == o.epochs)
+            # the collapse monitor ran on rank 0 inside save(); stop every rank together
+            flag = torch.tensor([row.get("collapse", 0.0) if run.monitor.stop else 0.0],
+                                dtype=torch.float64)
+            if float(session.all_reduce_sum(flag.to(device)).cpu()[0]) > 0:
+                if rank == 0:
+                    print(f"run {dist.run_name}: stopped after epoch {epoch}: the LCCN chain "
+                          f"collapsed (MonitorConfig.stop)", flush=True)
+                break
     except BaseException:
         if tracker is not None:
             try:  # a restarted rank 0 sets it RUNNING again when it resumes
@@ -474,13 +477,9 @@ def _start_lccn(model: nn.Module, run: RunConfig, dist: DistConfig, view: LabelV
                               manifest=manifest)
     probs, idx, _ = predict(model, loader, device=session.device)
     observed = torch.from_numpy(np.array(view.observed))[idx]
-    if lc.warmup == "eq8":
-        onehot = torch.nn.functional.one_hot(observed, k).to(torch.float64)
-        num = probs.to(torch.float64).T @ onehot                       # (K_latent, K)
-        num = session.all_reduce_sum(num.to(session.device)).cpu()
-        phi_init = _phi_from_numerator(num, k)
-    else:
-        phi_init = smoothed_identity(k_latent, k, smoothing=lc.warmup_smoothing)
+    phi_init = estimate_phi_init(
+        lc, probs, observed, k_latent, k,
+        reduce=lambda t: session.all_reduce_sum(t.to(session.device)).cpu())
     z0 = initial_assignment(observed, probs=probs, mode=lc.init)
     store.commit(idx, z0, worker=f"init.rank{rank}.{fence[:8]}", seq=0)
     session.barrier()
@@ -526,8 +525,14 @@ def _checkpoint(session: Session, store: Any, *, tracker: Any, base: nn.Module,
                 optimizer: torch.optim.Optimizer, scheduler: Any, run: RunConfig,
                 dist: DistConfig, view: LabelView, k_latent: int, epoch: int, batch: int,
                 global_step: int, lccn_step: int, phi_init: Tensor | None, run_id: str | None,
-                history: list[dict[str, float]], metrics: dict[str, float], final: bool) -> None:
-    """Checkpoint at one consistent moment and report it (see the module docstring)."""
+                history: list[dict[str, float]], metrics: dict[str, float], final: bool,
+                monitor: CollapseMonitor | None = None) -> None:
+    """Checkpoint at one consistent moment and report it (see the module docstring).
+
+    At an epoch end of the LCCN phase rank 0 also computes the chain's health from the
+    store state and runs the collapse ``monitor`` on it; the statistics go into
+    ``metrics`` (and, through the caller's row, into the history)."""
+    row = metrics
     metrics = dict(metrics)
     session.barrier()  # every rank's last commit is applied
     if session.rank != 0:
@@ -538,6 +543,13 @@ def _checkpoint(session: Session, store: Any, *, tracker: Any, base: nn.Module,
         phi = transition(store_state["counts"])
         metrics["transition_error"] = transition_error(phi, view.transition)
         metrics["store_version"] = float(store_state["version"])
+        if monitor is not None and batch == 0:
+            health = chain_health(store_state["z"], store_state["observed"], k_latent,
+                                  view.num_classes, counted=store_state["counted"], phi=phi,
+                                  phi_init=phi_init)
+            health["collapse"] = float(bool(monitor.check(health, epoch=epoch - 1)))
+            metrics.update(health)
+            row.update(health)
         metrics.update({f"store_{key}": v for key, v in store.stats().items()
                         if key in ("duplicates", "refused", "busy_s")})
     state = {

@@ -1,0 +1,184 @@
+"""The mechanisms that keep LCCN from collapsing: the anchor-point warm-up, posterior
+targets, the noisy validation split, instance-dependent noise and the collapse monitor."""
+
+from __future__ import annotations
+
+import math
+import threading
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.config import LCCNConfig, MonitorConfig
+from pipeline.confusion_store import ConfusionStore
+from pipeline.labels import holdout_split
+from pipeline.lccn import GibbsLabeler
+from pipeline.losses import clipped_cross_entropy, soft_cross_entropy
+from pipeline.monitor import ChainCollapsed, CollapseMonitor, CollapseWarning, chain_health
+from pipeline.noise import instance_dependent, make_view, symmetric
+from pipeline.sampler import gibbs_posterior, gibbs_step
+from pipeline.warmup import anchor_transition, estimate_phi_init, soft_confusion
+
+
+def _noisy_posteriors(t: np.ndarray, n: int, *, sharp: float, seed: int):
+    """Clean posteriors of a classifier that is sure of a ``sharp`` fraction of samples
+    (one-hot) and unsure of the rest (Dirichlet draws), and the noisy posteriors a CE
+    classifier trained on labels through ``t`` estimates: ``clean @ t``."""
+    rng = np.random.default_rng(seed)
+    k = t.shape[0]
+    cls = rng.integers(0, k, n)
+    clean = rng.dirichlet(np.full(k, 0.3), n)
+    sure = rng.random(n) < sharp
+    clean[sure] = np.eye(k)[cls[sure]]
+    noisy = clean @ t
+    observed = np.array([rng.choice(k, p=p / p.sum()) for p in noisy])
+    return torch.from_numpy(clean), torch.from_numpy(noisy), torch.from_numpy(observed)
+
+
+def test_anchor_estimate_recovers_the_transition_from_a_noisy_posterior():
+    k = 6
+    t = 0.5 * np.eye(k) + 0.5 / k                           # symmetric 0.5 (include_true)
+    t[1] = 0.0
+    t[1, 1], t[1, 4] = 0.6, 0.4                             # plus one pair flip
+    _, noisy, observed = _noisy_posteriors(t, 6000, sharp=0.1, seed=0)
+    phi = anchor_transition(noisy, k)
+    assert phi.shape == (k, k)
+    assert torch.allclose(phi.sum(1), torch.ones(k, dtype=torch.float64))
+    assert (phi - torch.from_numpy(t)).abs().max() < 0.03
+    # Eq. 8 reads the same (noisy-label) classifier as the clean posterior: its diagonal
+    # is far too low, which is what drives the chain away from the labels
+    eq8 = soft_confusion(noisy, observed, k)
+    assert float(torch.diagonal(eq8).mean()) < float(np.diag(t).mean()) - 0.15
+
+
+def test_anchor_estimate_is_the_same_when_summed_over_workers():
+    t = 0.6 * np.eye(4) + 0.1
+    _, noisy, _ = _noisy_posteriors(t, 3000, sharp=0.2, seed=1)
+    whole = anchor_transition(noisy, 4)
+    parts = [noisy[:1000], noisy[1000:]]
+    # two "ranks" in threads with an all-reduce that sums what both contribute
+    barrier, slots, out = threading.Barrier(2), [None, None], [None, None]
+
+    def make_reduce(r):
+        def reduce(x):
+            slots[r] = x
+            barrier.wait()
+            total = slots[0] + slots[1]
+            barrier.wait()
+            return total
+        return reduce
+
+    threads = [threading.Thread(target=lambda r=r: out.__setitem__(
+        r, anchor_transition(parts[r], 4, reduce=make_reduce(r)))) for r in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    assert torch.allclose(out[0], whole) and torch.allclose(out[1], whole)
+
+
+def test_anchor_estimate_with_an_outlier_output_has_a_uniform_outlier_row():
+    probs = torch.softmax(torch.randn(500, 5, generator=torch.Generator().manual_seed(0)), 1)
+    phi = estimate_phi_init(LCCNConfig(warmup="anchor"), probs, torch.zeros(500).long(), 5, 4)
+    assert phi.shape == (5, 4)
+    assert torch.allclose(phi[4], torch.full((4,), 0.25, dtype=torch.float64))
+    assert torch.allclose(phi.sum(1), torch.ones(5, dtype=torch.float64))
+    with pytest.raises(ValueError, match="quantile"):
+        anchor_transition(probs[:, :4], 4, quantile=1.0)
+
+
+def test_soft_cross_entropy_is_the_expected_clipped_loss():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 5, generator=g, requires_grad=True)
+    target = torch.randint(0, 5, (7,), generator=g)
+    onehot = torch.nn.functional.one_hot(target, 5).double()
+    assert torch.allclose(soft_cross_entropy(logits, onehot), clipped_cross_entropy(logits, target))
+    # for a distribution q: the mean over z ~ q of the one-hot loss, and gradient softmax - q
+    q = torch.softmax(torch.randn(7, 5, generator=g), 1)
+    loss = soft_cross_entropy(logits, q)
+    expected = sum(q[:, c] * -torch.log_softmax(logits, 1)[:, c] for c in range(5)).mean()
+    assert torch.allclose(loss, expected)
+    loss.backward()
+    assert torch.allclose(logits.grad, (torch.softmax(logits, 1) - q).detach() / 7, atol=1e-6)
+
+
+def test_labeler_posterior_is_the_eq7_conditional_and_draws_are_unchanged():
+    k, n = 4, 40
+    g = torch.Generator().manual_seed(3)
+    observed = torch.randint(0, k, (n,), generator=g)
+    z0 = torch.randint(0, k, (n,), generator=g)
+    store = ConfusionStore(observed, z0, k, k)
+    lab = GibbsLabeler(LCCNConfig(alpha=0.5), store, store.counts, store.version,
+                       phi_init=torch.eye(k, dtype=torch.float64), max_steps=10,
+                       generator=torch.Generator().manual_seed(7))
+    idx = torch.arange(16)
+    probs = torch.softmax(torch.randn(16, k, generator=g), 1)
+    lab.prefetch(idx)
+    counts = lab.counts.clone()
+    z, stats = lab.sample(probs, observed[idx], idx)
+    ref = gibbs_posterior(probs, observed[idx], z0[idx], counts, 0.5)
+    assert torch.allclose(stats.posterior, ref)
+    assert torch.equal(z, gibbs_step(probs, observed[idx], z0[idx], counts, 0.5,
+                                     generator=torch.Generator().manual_seed(7)))
+
+
+def test_holdout_split_is_disjoint_stratified_and_fixed_by_the_seed():
+    observed = np.repeat(np.arange(5), [100, 200, 300, 40, 60])
+    tr, va = holdout_split(observed, 0.05, seed=0)
+    assert np.intersect1d(tr, va).size == 0
+    assert np.array_equal(np.sort(np.concatenate([tr, va])), np.arange(observed.size))
+    assert np.bincount(observed[va], minlength=5).tolist() == [5, 10, 15, 2, 3]
+    tr2, va2 = holdout_split(observed, 0.05, seed=0)
+    assert np.array_equal(va, va2) and np.array_equal(tr, tr2)
+    _, va3 = holdout_split(observed, 0.05, seed=1)
+    assert not np.array_equal(va, va3)
+    assert holdout_split(observed, 0.0, seed=0)[1].size == 0
+
+
+def test_instance_dependent_noise_realises_its_rate_and_depends_on_the_image():
+    rng = np.random.default_rng(0)
+    n, k, rate = 6000, 10, 0.4
+    clean = rng.integers(0, k, n)
+    feats = rng.standard_normal((n, 48)).astype(np.float32)
+    view = instance_dependent(clean, feats, k, rate, seed=0)
+    se = math.sqrt(rate * (1 - rate) / n)
+    assert abs(view.noise_rate() - rate) < 4 * se + 0.005
+    # the realised transition is the view's transition, rows sum to 1
+    assert np.allclose(view.transition.sum(1), 1.0)
+    assert np.allclose(view.transition, view.realised_transition())
+    # the same seed gives the same labels; the flip target follows the features: two
+    # copies of one image with one clean class, flipped, land on the same wrong class
+    again = make_view({"kind": "instance", "rate": rate, "seed": 0}, clean, k, features=feats)
+    assert np.array_equal(again.observed, view.observed)
+    twin = np.repeat(feats[:1], 400, 0)
+    tv = instance_dependent(np.full(400, 3), twin, k, 0.5, seed=5)
+    flipped = tv.observed[tv.observed != 3]
+    assert flipped.size > 100 and np.bincount(flipped).max() / flipped.size > 0.9
+    with pytest.raises(ValueError, match="needs features"):
+        make_view({"kind": "instance", "rate": rate, "seed": 0}, clean, k)
+
+
+def test_collapse_monitor_fires_on_a_collapsed_chain_and_not_on_a_healthy_one():
+    rng = np.random.default_rng(0)
+    k, n = 10, 5000
+    observed = torch.from_numpy(rng.integers(0, k, n))
+    healthy = chain_health(observed.clone(), observed, k, k)
+    assert healthy["latent_entropy"] == pytest.approx(1.0) and healthy["z_agreement"] == 1.0
+    mon = CollapseMonitor(MonitorConfig())
+    mon.start(0.5)
+    assert mon.check(healthy, 0.48) == []
+    # latent classes 0-4 absorbed by 5-9: half the classes vanish
+    merged = torch.where(observed < 5, observed + 5, observed)
+    sick = chain_health(merged, observed, k, k)
+    with pytest.warns(CollapseWarning, match="latent classes merging"):
+        reasons = mon.check(sick, 0.48, epoch=3)
+    assert any("vanishing" in r for r in reasons)
+    with pytest.warns(CollapseWarning, match="classifier degrading"):
+        mon.check(healthy, 0.30)
+    with pytest.raises(ChainCollapsed, match="epoch 4"):
+        CollapseMonitor(MonitorConfig(stop=True)).check(sick, epoch=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        CollapseMonitor(MonitorConfig()).check(healthy)  # no validation split: no val check
