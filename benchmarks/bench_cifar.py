@@ -1,27 +1,34 @@
-"""CE vs LCCN on real CIFAR-10 (the JPEG tarball), small CNN, on the CPU.
+"""CE vs LCCN on real CIFAR-10 (the JPEG tarball) on the CPU, over seeds, with the noisy
+validation protocol.
 
-For each noise setting, CE and LCCN run the same schedule from the same seed: ``--pretrain-epochs``
-of cross-entropy on the noisy labels, then LCCN (Eq. 7 Gibbs sampling, Eq. 8 warm-up for
-``--warmup-steps`` steps, initial assignment = the pretrained argmax) or CE continuing, SGD
-(momentum 0.9, weight decay 5e-4), step learning rate. Images: all 60k JPEGs decoded once
-into memory (cached as ``.npz`` under ``--cache``), per-channel normalisation, batched
-random crop (pad 4) + horizontal flip on tensors drawn from the trainer's generator.
+Protocol (one setting x one seed)::
 
-Settings (DivideMix convention for symmetric noise, ``include_true=True``)::
+    class-balanced subset of the training JPEGs (--train-size, default 20,000)
+      -> label view: asym0.5 | sym0.5 (include_true) | idn0.4 (instance-dependent, Xia et al.)
+      -> 5% noisy validation split carved from it (stratified, never trained on)
+    CE: --epochs of SGD (lr 0.1, momentum 0.9, wd 5e-4, x0.1 at --milestones), cnn_wide
+    LCCN: starts from CE's model, momentum and generator after --pretrain-epochs (the shared
+          CE pre-training) and runs the remaining epochs on the same learning-rate schedule
 
-    asym0.5   asymmetric (truck->automobile, bird->airplane, deer->horse, cat->dog), r = 0.5
-    asym0.3   asymmetric, r = 0.3
-    sym0.5    symmetric, r = 0.5 (T = 0.5 I + 0.05)
+Reported per method: test top-1 at the final epoch and at the epoch with the best noisy
+validation accuracy (never the best test epoch), and for LCCN the transition error
+(mean |phi - T| over the K x K entries). ``--report`` prints mean +- std over seeds.
+
+Every LCCN epoch also records the chain's diagnostics (latent-class histogram, per-class
+label recovery, phi, the collapse monitor's statistics), and the LCCN start records the
+warm-up transition and the pretrained classifier's confusion: ``--plots DIR`` draws them
+(``docs/fidelity.md`` shows them).
 
 Usage::
 
-    python benchmarks/bench_cifar.py --time-epoch                 # size the schedule
-    python benchmarks/bench_cifar.py --setting asym0.5 [--epochs 16 --pretrain-epochs 6 ...]
-    python benchmarks/bench_cifar.py --report      # markdown table of the JSONs under --out
+    python benchmarks/bench_cifar.py --settings asym0.5 sym0.5 idn0.4 --seeds 0 1
+    python benchmarks/bench_cifar.py --report            # the table, from the JSONs
+    python benchmarks/bench_cifar.py --plots docs/img    # the diagnosis figures
+    python benchmarks/bench_cifar.py --time-epoch        # size the schedule
 
-Each setting writes ``<out>/<setting>.json`` (per-epoch history of both methods); ``--report``
-prints all of them as one markdown table. Prints a table per setting: CE top-1, LCCN top-1,
-delta, LCCN transition error, label recovery, wall time.
+LCCN options (``--warmup``, ``--targets``, ``--warmup-steps``, ``--alpha``, ``--init``) default
+to the library's defaults (:class:`pipeline.config.LCCNConfig`); ``--tag`` keeps an
+ablation's JSONs apart from the main ones.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -46,15 +53,17 @@ from pipeline.cifar_memory import (RandomCropFlip, channel_stats, load_cifar10, 
 from pipeline.config import LCCNConfig, ModelConfig, OptimConfig, RunConfig  # noqa: E402
 from pipeline.labels import LabelView  # noqa: E402
 from pipeline.noise import (asymmetric_cifar10, clean_view, format_transition,  # noqa: E402
-                            symmetric)
-from pipeline.trainer import LocalTrainer, TensorData  # noqa: E402
+                            instance_dependent, symmetric)
+from pipeline.trainer import LocalTrainer, TensorData, select_epoch  # noqa: E402
 
 SETTINGS = {
     "asym0.5": ("asymmetric", 0.5),
-    "asym0.3": ("asymmetric", 0.3),
     "sym0.5": ("symmetric", 0.5),
+    "idn0.4": ("instance", 0.4),
+    "asym0.3": ("asymmetric", 0.3),
 }
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+_LCCN_DEFAULTS = LCCNConfig()
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -66,124 +75,127 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="folder for the decoded .npz cache")
     p.add_argument("--out", type=Path,
                    default=Path(tempfile.gettempdir()) / "lccn-bench-cifar",
-                   help="folder for the per-setting JSON results")
-    p.add_argument("--setting", choices=[*SETTINGS, "all"], default="all")
-    p.add_argument("--seed", type=int, default=0, help="noise, init and shuffling seed")
-    p.add_argument("--model", default="small_cnn")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--epochs", type=int, default=16)
-    p.add_argument("--pretrain-epochs", type=int, default=6)
-    p.add_argument("--milestones", type=int, nargs="*", default=[11, 14])
+                   help="folder for the per-run JSON results")
+    p.add_argument("--tag", default="", help="suffix of the result files (ablations)")
+    p.add_argument("--settings", nargs="+", choices=list(SETTINGS),
+                   default=["asym0.5", "sym0.5", "idn0.4"])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1],
+                   help="noise, split, init, shuffling and Gibbs seed of each run")
+    p.add_argument("--train-size", type=int, default=20000,
+                   help="class-balanced subset of the 50,000 training images")
+    p.add_argument("--model", default="cnn_wide")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (1 is the robust choice on a shared 2-core machine)")
+    p.add_argument("--epochs", type=int, default=24)
+    p.add_argument("--pretrain-epochs", type=int, default=8)
+    p.add_argument("--milestones", type=int, nargs="*", default=[16, 21])
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--alpha", type=float, default=1.0)
-    p.add_argument("--warmup-steps", type=int, default=391, help="Eq. 8 warm-up steps (δ)")
-    p.add_argument("--warmup", choices=["eq8", "identity"], default="eq8")
-    p.add_argument("--init", choices=["argmax", "observed"], default="argmax")
+    p.add_argument("--val-fraction", type=float, default=0.05)
+    p.add_argument("--alpha", type=float, default=_LCCN_DEFAULTS.alpha)
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="LCCN warm-up steps (default: one epoch of the training split)")
+    p.add_argument("--warmup", choices=["anchor", "eq8", "identity"],
+                   default=_LCCN_DEFAULTS.warmup)
+    p.add_argument("--targets", choices=["posterior", "sample"], default=_LCCN_DEFAULTS.targets)
+    p.add_argument("--init", choices=["argmax", "observed"], default=_LCCN_DEFAULTS.init)
+    p.add_argument("--ramp", type=float, default=_LCCN_DEFAULTS.ramp)
     p.add_argument("--methods", nargs="+", choices=["ce", "lccn"], default=["ce", "lccn"])
-    p.add_argument("--no-augment", action="store_true")
-    p.add_argument("--no-share-pretrain", action="store_true",
-                   help="run LCCN's CE pretraining again instead of starting from CE's state")
-    p.add_argument("--limit", type=int, default=None,
-                   help="use every (50000 // limit)-th training image (smoke tests)")
     p.add_argument("--time-epoch", action="store_true",
-                   help="time one CE epoch (+ test pass) and one LCCN epoch, then exit")
+                   help="time one CE epoch (+ validation and test passes), then exit")
     p.add_argument("--report", action="store_true",
-                   help="print the JSON results under --out as a markdown table and exit")
+                   help="print the JSON results under --out as markdown tables and exit")
+    p.add_argument("--plots", type=Path, default=None,
+                   help="draw the diagnosis figures from the JSONs under --out into this folder")
     return p
 
 
 # -- data ------------------------------------------------------------------------------------
 
 
-def noisy_view(kind: str, rate: float, clean: np.ndarray, seed: int) -> LabelView:
+def load_data(args: argparse.Namespace):
+    tar = args.data / "cifar10-jpeg.tar.gz"
+    t0 = time.perf_counter()
+    arrays = load_cifar10(tar, cache_dir=args.cache)
+    per = args.train_size // 10
+    keep = np.concatenate([np.flatnonzero(arrays.train_y == c)[:per] for c in range(10)])
+    if keep.size != 10 * per:
+        raise ValueError(f"--train-size {args.train_size}: CIFAR-10 has 5,000 per class")
+    mean, std = channel_stats(arrays.train_x[keep])
+    train_x = normalise(arrays.train_x[keep], mean, std)
+    test_x = normalise(arrays.test_x, mean, std)
+    aug = RandomCropFlip(padding=4, fill=-mean / std)
+    print(f"loaded CIFAR-10 from {tar} in {time.perf_counter() - t0:.1f}s: train subset "
+          f"{tuple(train_x.shape)} (first {per} of each class), test {tuple(test_x.shape)}",
+          flush=True)
+    return train_x, arrays.train_y[keep], test_x, arrays.test_y, aug
+
+
+def noisy_view(name: str, clean: np.ndarray, images: torch.Tensor, seed: int) -> LabelView:
+    kind, rate = SETTINGS[name]
     if kind == "asymmetric":
         return asymmetric_cifar10(clean, rate, seed=seed)
     if kind == "symmetric":
         return symmetric(clean, 10, rate, include_true=True, seed=seed)
-    raise ValueError(f"unknown noise kind {kind!r}")
+    # Xia et al. draw the flips from the flattened normalised images
+    return instance_dependent(clean, images.reshape(len(clean), -1).numpy(), 10, rate,
+                              seed=seed)
 
 
-def load_splits(args: argparse.Namespace) -> tuple[torch.Tensor, np.ndarray, torch.Tensor,
-                                                   np.ndarray, RandomCropFlip | None]:
-    tar = args.data / "cifar10-jpeg.tar.gz"
-    t0 = time.perf_counter()
-    arrays = load_cifar10(tar, cache_dir=args.cache)
-    mean, std = channel_stats(arrays.train_x)
-    train_x = normalise(arrays.train_x, mean, std)
-    test_x = normalise(arrays.test_x, mean, std)
-    aug = None if args.no_augment else RandomCropFlip(padding=4, fill=-mean / std)
-    print(f"loaded CIFAR-10 from {tar} in {time.perf_counter() - t0:.1f}s (cache {args.cache}):"
-          f" train {tuple(train_x.shape)}, test {tuple(test_x.shape)}; channel mean "
-          f"{[round(float(v), 4) for v in mean]}, std {[round(float(v), 4) for v in std]}",
-          flush=True)
-    return train_x, arrays.train_y, test_x, arrays.test_y, aug
-
-
-def run_config(args: argparse.Namespace, method: str, *, epochs: int | None = None,
-               pretrain: int | None = None) -> RunConfig:
+def run_config(args: argparse.Namespace, method: str, seed: int, steps_per_epoch: int
+               ) -> RunConfig:
+    warm = steps_per_epoch if args.warmup_steps is None else args.warmup_steps
     return RunConfig(
-        method=method, seed=args.seed, model=ModelConfig(args.model, in_channels=3),
-        optim=OptimConfig(epochs=epochs or args.epochs,
-                          pretrain_epochs=args.pretrain_epochs if pretrain is None else pretrain,
+        method=method, seed=seed, model=ModelConfig(args.model, in_channels=3),
+        val_fraction=args.val_fraction,
+        optim=OptimConfig(epochs=args.epochs, pretrain_epochs=args.pretrain_epochs,
                           batch_size=args.batch_size, lr=args.lr, momentum=0.9,
                           weight_decay=5e-4, milestones=tuple(args.milestones), lr_decay=0.1),
-        lccn=LCCNConfig(alpha=args.alpha, warmup_steps=args.warmup_steps, warmup=args.warmup,
-                        init=args.init))
+        lccn=LCCNConfig(alpha=args.alpha, warmup_steps=warm, warmup=args.warmup,
+                        targets=args.targets, init=args.init, ramp=args.ramp))
 
 
 # -- runs ------------------------------------------------------------------------------------
-
-
-def time_epoch(args: argparse.Namespace, train: TensorData, test: TensorData) -> None:
-    """One CE epoch, then one LCCN epoch (pretrain 1 epoch, LCCN 1 epoch) to size a run.
-    Uses ``--warmup-steps`` etc. as given; the LCCN epoch's step time shows the sampler's
-    share."""
-    cfg = run_config(args, "lccn", epochs=2, pretrain=1)
-    trainer = LocalTrainer(cfg, train, test)
-    t0 = time.perf_counter()
-    hist = trainer.fit(on_epoch=lambda e, r: print(
-        f"  epoch {e}: {'LCCN' if r['phase'] else 'CE'} {r['epoch_time']:.1f}s "
-        f"(step {1e3 * r['step_time']:.1f} ms, sampler share {100 * r['sampler_share']:.2f}%)"
-        f", test top-1 {r['test_top1']:.3f}", flush=True))
-    total = time.perf_counter() - t0
-    per = total / len(hist)
-    print(f"{per:.1f}s per epoch incl. evaluation. With the shared pretraining a setting of E "
-          f"epochs (P pretrain) costs about (2E - P) epochs: E=16, P=6 -> "
-          f"{26 * per / 60:.0f} min. Load average {os.getloadavg()}", flush=True)
 
 
 def _show(method: str, epochs: int, offset: int = 0):
     def show(e: int, r: dict) -> None:
         extra = ""
         if r["phase"]:
-            extra = (f"  T-err {r['transition_error']:.4f}  changed {r['changed']:.3f}"
-                     f"  sampler {100 * r['sampler_share']:.2f}%")
+            extra = (f"  T-err {r['transition_error']:.4f}  latent-entropy "
+                     f"{r['latent_entropy']:.3f}  z=obs {r['z_agreement']:.3f}")
         print(f"  [{method:4s}] epoch {e + offset + 1:2d}/{epochs}  lr {r['lr']:.4f}  loss "
-              f"{r['loss']:.3f}  test {r['test_top1']:.4f}  recovery "
+              f"{r['loss']:.3f}  val {r['val_top1']:.4f}  test {r['test_top1']:.4f}  recovery "
               f"{r['label_recovery']:.3f}{extra}  ({r['epoch_time']:.0f}s)", flush=True)
     return show
 
 
-def fit_pair(args: argparse.Namespace, train: TensorData, test: TensorData
-             ) -> dict[str, tuple[LocalTrainer, list[dict], float]]:
-    """CE for all epochs and LCCN continuing from CE's state after ``pretrain_epochs``.
+def _chain_diagnostics(trainer: LocalTrainer) -> dict:
+    """Latent histogram, per-class recovery (z = clean among samples of each clean class)
+    and phi of the chain now."""
+    store, clean = trainer.store, trainer.train.clean
+    z = store.z[store.counted]
+    c = clean[store.counted]
+    rec = [float((z[c == k] == k).double().mean()) if (c == k).any() else float("nan")
+           for k in range(trainer.num_classes)]
+    return {"latent_hist": torch.bincount(z, minlength=trainer.k_latent).tolist(),
+            "recovery_per_class": rec, "phi": store.transition().tolist()}
 
-    The pretraining phase of an LCCN run is plain CE on the observed labels from the same
-    seed, so it is identical to CE's first ``P`` epochs: instead of repeating it, LCCN
-    starts from a snapshot of CE's model, optimiser (momentum) and generator after epoch
-    ``P``, with the remaining ``E - P`` epochs and the milestones shifted by ``P`` (the
-    same learning rates and the same LCCN max_steps). Returns ``{method: (trainer, history
-    of all E epochs, wall seconds)}``; LCCN's wall time includes the shared pretraining.
-    """
+
+def fit_pair(args: argparse.Namespace, cfg_ce: RunConfig, cfg_lccn: RunConfig,
+             train: TensorData, test: TensorData) -> dict:
+    """CE for all epochs; LCCN continuing from CE's state after the pre-training.
+
+    LCCN's pre-training is plain CE on the same labels from the same seed, identical to
+    CE's first ``P`` epochs: LCCN starts from a snapshot of CE's model, optimiser (momentum)
+    and generator after epoch ``P``, with the milestones shifted by ``P``."""
     e_total, p = args.epochs, args.pretrain_epochs
     if any(m <= p for m in args.milestones):
-        raise ValueError(f"sharing the pretraining needs every milestone > pretrain epochs "
-                         f"({p}), got {args.milestones}; or pass --no-share-pretrain")
+        raise ValueError(f"sharing the pre-training needs every milestone > pretrain epochs "
+                         f"({p}), got {args.milestones}")
     snap: dict = {}
-    ce = LocalTrainer(run_config(args, "ce"), train, test)
+    ce = LocalTrainer(cfg_ce, train, test)
     show_ce = _show("ce", e_total)
-    t_pre = [0.0]
     t0 = time.perf_counter()
 
     def on_epoch(e: int, r: dict) -> None:
@@ -192,150 +204,226 @@ def fit_pair(args: argparse.Namespace, train: TensorData, test: TensorData
             snap["model"] = copy.deepcopy(ce.model.state_dict())
             snap["optim"] = copy.deepcopy(ce.optimizer.state_dict())
             snap["gen"] = ce.gen.get_state()
-            t_pre[0] = time.perf_counter() - t0
+            snap["t"] = time.perf_counter() - t0
 
     hist_ce = ce.fit(on_epoch=on_epoch)
-    out = {"ce": (ce, hist_ce, time.perf_counter() - t0)}
+    out = {"ce": {"history": hist_ce, "wall_s": time.perf_counter() - t0,
+                  "config": asdict(cfg_ce)}}
     if "lccn" not in args.methods:
         return out
-    base = run_config(args, "lccn")
-    cfg = replace(base, optim=replace(base.optim, epochs=e_total - p, pretrain_epochs=0,
-                                      milestones=tuple(m - p for m in args.milestones)))
+    cfg = replace(cfg_lccn, optim=replace(cfg_lccn.optim, epochs=e_total - p, pretrain_epochs=0,
+                                          milestones=tuple(m - p for m in args.milestones)))
     t1 = time.perf_counter()
     lc = LocalTrainer(cfg, train, test)
     lc.model.load_state_dict(snap["model"])
     lc.optimizer.load_state_dict(snap["optim"])
     lc.gen.set_state(snap["gen"])
-    hist = lc.fit(on_epoch=_show("lccn", e_total, offset=p))
+    diags: list[dict] = []
+    show_lc = _show("lccn", e_total, offset=p)
+
+    def on_lccn(e: int, r: dict) -> None:
+        show_lc(e, r)
+        diags.append(_chain_diagnostics(lc))
+
+    hist = lc.fit(on_epoch=on_lccn)
     for r in hist:
         r["epoch"] += p
-    out["lccn"] = (lc, hist_ce[:p] + hist, t_pre[0] + time.perf_counter() - t1)
+    probs = lc.pretrained_probs
+    conf = torch.bincount(lc.train.clean * 10 + probs[:, :10].argmax(1), minlength=100)
+    out["lccn"] = {"history": hist_ce[:p] + hist, "wall_s": snap["t"] + time.perf_counter() - t1,
+                   "config": asdict(cfg_lccn), "diagnostics": diags,
+                   "phi_init": lc.phi_init.tolist(), "phi": lc.transition().tolist(),
+                   "pretrained_confusion": conf.view(10, 10).tolist(),
+                   "collapse_epochs": [int(r["epoch"]) for r in hist if r.get("collapse")]}
+    print("warm-up phi_init:\n" + format_transition(lc.phi_init.numpy()))
+    print("learned phi[k, j] = P(observed=j | latent=k):\n"
+          + format_transition(lc.transition().numpy()))
     return out
 
 
-def fit_separate(args: argparse.Namespace, train: TensorData, test: TensorData
-                 ) -> dict[str, tuple[LocalTrainer, list[dict], float]]:
-    """Each method runs its full schedule, pretraining included."""
-    out = {}
-    for method in args.methods:
-        t0 = time.perf_counter()
-        trainer = LocalTrainer(run_config(args, method), train, test)
-        hist = trainer.fit(on_epoch=_show(method, args.epochs))
-        out[method] = (trainer, hist, time.perf_counter() - t0)
-    return out
+def summarise(entry: dict) -> dict:
+    hist = entry["history"]
+    sel = select_epoch(hist)
+    return {"final_test": hist[-1]["test_top1"], "selected_test": hist[sel]["test_top1"],
+            "selected_epoch": sel + 1, "final_val": hist[-1]["val_top1"],
+            "transition_error": hist[-1].get("transition_error", float("nan")),
+            "label_recovery": hist[-1]["label_recovery"]}
 
 
-def run_setting(args: argparse.Namespace, name: str, data) -> dict:
+def run_one(args: argparse.Namespace, name: str, seed: int, data) -> dict:
     train_x, train_y, test_x, test_y, aug = data
-    kind, rate = SETTINGS[name]
-    if args.limit:
-        keep = np.arange(0, len(train_y), max(1, len(train_y) // args.limit))
-        train_x, train_y = train_x[keep], train_y[keep]
-    view = noisy_view(kind, rate, train_y, args.seed)
+    view = noisy_view(name, train_y, train_x, seed)
     train = TensorData(train_x, view, augment=aug)
     test = TensorData(test_x, clean_view(test_y, 10))
-    print(f"\n=== {name}: {kind} r={rate}, realised noise rate {view.noise_rate():.3f}, seed "
-          f"{args.seed}, {len(train)} train images, {args.epochs} epochs "
-          f"({args.pretrain_epochs} CE pretrain), milestones {args.milestones}, lr {args.lr}, "
-          f"{torch.get_num_threads()} threads, load average {os.getloadavg()}", flush=True)
-    result: dict = {"setting": name, "kind": kind, "rate": rate,
-                    "realised_noise_rate": view.noise_rate(), "argv": sys.argv[1:],
-                    "train_size": len(train), "shared_pretrain": not args.no_share_pretrain,
-                    "load_avg_start": os.getloadavg(), "threads": torch.get_num_threads(),
-                    "methods": {}}
+    n_train = len(train) - int(round(args.val_fraction * len(train)))
+    steps = -(-n_train // args.batch_size)
+    cfg_ce, cfg_lccn = (run_config(args, m, seed, steps) for m in ("ce", "lccn"))
+    print(f"\n=== {name} seed {seed}: realised noise rate {view.noise_rate():.3f}, "
+          f"{len(train)} train images ({args.val_fraction:.0%} noisy validation), "
+          f"{args.epochs} epochs ({args.pretrain_epochs} CE pre-training), milestones "
+          f"{args.milestones}, LCCN {asdict(cfg_lccn.lccn)}, {torch.get_num_threads()} "
+          f"threads, load average {os.getloadavg()}", flush=True)
+    result = {"setting": name, "seed": seed, "argv": sys.argv[1:],
+              "realised_noise_rate": view.noise_rate(), "true_transition": view.transition.tolist(),
+              "load_avg_start": os.getloadavg(), "threads": torch.get_num_threads()}
     t0 = time.perf_counter()
-    share = not args.no_share_pretrain and set(args.methods) >= {"ce"}
-    runs = fit_pair(args, train, test) if share else fit_separate(args, train, test)
-    result["setting_wall_s"] = time.perf_counter() - t0
-    for method, (trainer, hist, wall) in runs.items():
-        entry = {"wall_s": wall, "history": hist, "config": asdict(trainer.cfg),
-                 "final": {k: hist[-1][k] for k in ("test_top1", "test_top5", "label_recovery",
-                                                    "transition_error", "loss")},
-                 "best_test_top1": max(r["test_top1"] for r in hist)}
-        if method == "lccn":
-            phi = trainer.transition().numpy()
-            entry["transition"] = phi.tolist()
-            entry["init_transition_error"] = next(
-                (r["init_transition_error"] for r in hist if "init_transition_error" in r),
-                float("nan"))
-            lccn_rows = [r for r in hist if r["phase"]]
-            entry["sampler_share"] = float(np.mean([r["sampler_share"] for r in lccn_rows]))
-            entry["step_time_ms"] = 1e3 * float(np.mean([r["step_time"] for r in lccn_rows]))
-            print(f"Eq. 8 phi_init transition error {entry['init_transition_error']:.4f}; "
-                  "learned phi[k, j] = P(observed=j | latent=k):")
-            print(format_transition(phi))
-            print("true transition:")
-            print(format_transition(view.transition))
-        result["methods"][method] = entry
+    result["methods"] = fit_pair(args, cfg_ce, cfg_lccn, train, test)
+    result["wall_s"] = time.perf_counter() - t0
     result["load_avg_end"] = os.getloadavg()
-    print_table([result])
+    for entry in result["methods"].values():
+        entry["summary"] = summarise(entry)
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"{name}.json"
+    path = args.out / f"{name}-seed{seed}{args.tag}.json"
     path.write_text(json.dumps(result, indent=1))
-    print(f"wrote {path}", flush=True)
+    s = {m: e["summary"] for m, e in result["methods"].items()}
+    print(f"{name} seed {seed}: " + "  ".join(
+        f"{m} final {100 * v['final_test']:.2f} selected {100 * v['selected_test']:.2f} "
+        f"(epoch {v['selected_epoch']})" for m, v in s.items())
+        + f"  [{result['wall_s'] / 60:.1f} min]  wrote {path}", flush=True)
     return result
+
+
+def time_epoch(args: argparse.Namespace, data) -> None:
+    train_x, train_y, test_x, test_y, aug = data
+    view = noisy_view("asym0.5", train_y, train_x, 0)
+    cfg = replace(run_config(args, "ce", 0, 1), optim=replace(
+        run_config(args, "ce", 0, 1).optim, epochs=1, pretrain_epochs=1, milestones=()))
+    trainer = LocalTrainer(cfg, TensorData(train_x, view, augment=aug),
+                           TensorData(test_x, clean_view(test_y, 10)))
+    hist = trainer.fit()
+    per = hist[0]["epoch_time"]
+    cost = (2 * args.epochs - args.pretrain_epochs) * per
+    print(f"one CE epoch incl. validation and test: {per:.1f}s ({1e3 * hist[0]['step_time']:.0f}"
+          f" ms/step); a run of {args.epochs} epochs ({args.pretrain_epochs} shared) costs "
+          f"about {cost / 60:.1f} min per setting and seed; load average {os.getloadavg()}")
 
 
 # -- reporting -------------------------------------------------------------------------------
 
 
-def table_rows(results: list[dict]) -> list[list[str]]:
-    rows = []
+def load_results(out: Path, tag: str = "") -> list[dict]:
+    found = sorted(p for p in out.glob(f"*-seed*{tag}.json")
+                   if tag or p.stem.split("seed")[-1].isdigit())
+    if not found:
+        raise FileNotFoundError(f"no <setting>-seed<N>{tag}.json results under {out}")
+    return [json.loads(p.read_text()) for p in found]
+
+
+def _pm(vals: list[float], scale: float = 100.0, digits: int = 2) -> str:
+    v = np.asarray(vals, dtype=np.float64) * scale
+    if v.size == 1:
+        return f"{v[0]:.{digits}f}"
+    return f"{v.mean():.{digits}f} ± {v.std(ddof=1):.{digits}f}"
+
+
+def markdown_report(results: list[dict]) -> str:
+    by: dict[str, list[dict]] = {}
     for r in results:
-        ce, lc = r["methods"].get("ce"), r["methods"].get("lccn")
-        f = lambda e, k: e["final"][k] if e else float("nan")  # noqa: E731
-        ce1, lc1 = f(ce, "test_top1"), f(lc, "test_top1")
-        rows.append([r["setting"], f"{100 * ce1:.2f}", f"{100 * lc1:.2f}",
-                     f"{100 * (lc1 - ce1):+.2f}", f"{f(lc, 'transition_error'):.4f}",
-                     f"{f(ce, 'label_recovery'):.3f} / {f(lc, 'label_recovery'):.3f}",
-                     f"{ce['wall_s'] / 60 if ce else float('nan'):.1f} / "
-                     f"{lc['wall_s'] / 60 if lc else float('nan'):.1f} / "
-                     f"{r.get('setting_wall_s', float('nan')) / 60:.1f}"])
-    return rows
-
-
-HEADER = ["setting", "CE top-1 %", "LCCN top-1 %", "delta (pts)", "LCCN T-error",
-          "label recovery CE / LCCN", "wall min CE / LCCN / setting"]
-
-
-def print_table(results: list[dict]) -> None:
-    rows = [HEADER, *table_rows(results)]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
-    for r in rows:
-        print("  ".join(c.rjust(w) for c, w in zip(r, widths)), flush=True)
-
-
-def markdown_table(results: list[dict]) -> str:
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    lines += ["| " + " | ".join(r) + " |" for r in table_rows(results)]
+        by.setdefault(r["setting"], []).append(r)
+    lines = ["| setting | seeds | CE final | LCCN final | Δ final | CE selected | LCCN selected "
+             "| Δ selected | LCCN φ error | LCCN ≥ CE (final, every seed) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name in SETTINGS:
+        rs = sorted(by.get(name, []), key=lambda r: r["seed"])
+        if not rs or any("lccn" not in r["methods"] for r in rs):
+            continue
+        s = [{m: e["summary"] for m, e in r["methods"].items()} for r in rs]
+        ce_f = [x["ce"]["final_test"] for x in s]
+        lc_f = [x["lccn"]["final_test"] for x in s]
+        ce_s = [x["ce"]["selected_test"] for x in s]
+        lc_s = [x["lccn"]["selected_test"] for x in s]
+        d_f = [b - a for a, b in zip(ce_f, lc_f)]
+        d_s = [b - a for a, b in zip(ce_s, lc_s)]
+        lines.append(
+            f"| {name} | {','.join(str(r['seed']) for r in rs)} | {_pm(ce_f)} | {_pm(lc_f)} | "
+            f"{_pm(d_f)} | {_pm(ce_s)} | {_pm(lc_s)} | {_pm(d_s)} | "
+            f"{_pm([x['lccn']['transition_error'] for x in s], 1.0, 4)} | "
+            f"{'yes' if all(d >= 0 for d in d_f) else 'no'} |")
+    lines += ["", "Per run (test top-1 %, final / noisy-validation-selected epoch; wall minutes; "
+              "load average at start and end):", "",
+              "| setting | seed | noise | CE | LCCN | LCCN φ error | LCCN recovery | collapse "
+              "warnings | wall | load |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(results, key=lambda r: (list(SETTINGS).index(r["setting"]), r["seed"])):
+        s = {m: e["summary"] for m, e in r["methods"].items()}
+        lc = s.get("lccn")
+        f = lambda v: f"{100 * v['final_test']:.2f} / {100 * v['selected_test']:.2f}"  # noqa: E731
+        lines.append(
+            f"| {r['setting']} | {r['seed']} | {r['realised_noise_rate']:.3f} | {f(s['ce'])} | "
+            f"{f(lc) if lc else '-'} | {lc['transition_error'] if lc else float('nan'):.4f} | "
+            f"{lc['label_recovery'] if lc else float('nan'):.3f} | "
+            f"{len(r['methods']['lccn']['collapse_epochs']) if lc else '-'} | "
+            f"{r['wall_s'] / 60:.1f} | {r['load_avg_start'][0]:.1f}-{r['load_avg_end'][0]:.1f} |")
     return "\n".join(lines)
 
 
-def load_results(out: Path) -> list[dict]:
-    found = [out / f"{name}.json" for name in SETTINGS if (out / f"{name}.json").is_file()]
-    if not found:
-        raise FileNotFoundError(f"no <setting>.json results under {out}")
-    return [json.loads(p.read_text()) for p in found]
+def draw_plots(results: list[dict], folder: Path) -> list[Path]:
+    """Per LCCN run: test/validation curves of both methods, the latent-class histogram
+    and per-class recovery over the LCCN epochs, and phi_init / learned phi / truth."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for r in results:
+        lc = r["methods"].get("lccn")
+        if lc is None:
+            continue
+        tag = f"{r['setting']}-seed{r['seed']}{r.get('tag', '')}"
+        fig, ax = plt.subplots(2, 3, figsize=(16, 9))
+        for m, e in r["methods"].items():
+            h = e["history"]
+            ax[0, 0].plot([x["epoch"] + 1 for x in h], [x["test_top1"] for x in h], label=f"{m} test")
+            ax[0, 0].plot([x["epoch"] + 1 for x in h], [x["val_top1"] for x in h], "--",
+                          label=f"{m} noisy val")
+        ax[0, 0].set(title="accuracy", xlabel="epoch")
+        ax[0, 0].legend(fontsize=8)
+        hist = np.array([d["latent_hist"] for d in lc["diagnostics"]], dtype=float)
+        start = len(lc["history"]) - len(hist)
+        ax[0, 1].imshow(hist.T / hist.sum(1), aspect="auto", cmap="viridis",
+                        extent=[start + 0.5, start + len(hist) + 0.5, hist.shape[1] - 0.5, -0.5])
+        ax[0, 1].set(title="latent-class share per LCCN epoch", xlabel="epoch",
+                     ylabel="latent class")
+        rec = np.array([d["recovery_per_class"] for d in lc["diagnostics"]])
+        for k in range(rec.shape[1]):
+            ax[0, 2].plot(range(start + 1, start + len(rec) + 1), rec[:, k], label=str(k))
+        ax[0, 2].set(title="label recovery per clean class (z = clean)", xlabel="epoch",
+                     ylim=(0, 1))
+        ax[0, 2].legend(fontsize=7, ncol=2)
+        for a, (title, mat) in zip(ax[1], [("phi_init (warm-up)", lc["phi_init"]),
+                                           ("learned phi", lc["phi"]),
+                                           ("true transition", r["true_transition"])]):
+            a.imshow(np.asarray(mat), vmin=0, vmax=1, cmap="magma")
+            a.set(title=title, xlabel="observed j", ylabel="latent k")
+        fig.suptitle(f"{tag}: CE {100 * r['methods']['ce']['summary']['final_test']:.1f}%, "
+                     f"LCCN {100 * lc['summary']['final_test']:.1f}% (final epoch)")
+        fig.tight_layout()
+        path = folder / f"chain-{tag}.png"
+        fig.savefig(path, dpi=80)
+        plt.close(fig)
+        paths.append(path)
+    return paths
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = get_args_parser().parse_args(argv)
-    if args.report:
-        results = load_results(args.out)
-        print(markdown_table(results))
+    if args.report or args.plots:
+        results = load_results(args.out, args.tag)
+        for r in results:
+            r["tag"] = args.tag
+        if args.report:
+            print(markdown_report(results))
+        if args.plots:
+            for p in draw_plots(results, args.plots):
+                print(f"wrote {p}")
         return results
     torch.set_num_threads(args.threads)
-    data = load_splits(args)
+    data = load_data(args)
     if args.time_epoch:
-        train_x, train_y, test_x, test_y, aug = data
-        view = noisy_view("asymmetric", 0.5, train_y, args.seed)
-        time_epoch(args, TensorData(train_x, view, augment=aug),
-                   TensorData(test_x, clean_view(test_y, 10)))
+        time_epoch(args, data)
         return []
-    names = list(SETTINGS) if args.setting == "all" else [args.setting]
-    results = [run_setting(args, name, data) for name in names]
-    if len(results) > 1:
-        print_table(results)
+    results = [run_one(args, name, seed, data) for seed in args.seeds for name in args.settings]
+    print(markdown_report(results))
     return results
 
 

@@ -37,6 +37,12 @@ class LCCNConfig:
         what lets a weak classifier train on targets noisier than the observed labels).
         The chain (z and C) is still advanced by the exact Eq. 7 draw. ``"sample"``: the
         paper's one-hot z.
+    ramp: the LCCN target's weight in the loss rises linearly from 0 to 1 over this
+        fraction of the LCCN phase, the observed label taking the rest (0 = the paper: the
+        LCCN target alone from the first step). The Eq. 7 posterior is only as good as the
+        classifier: from a weak pre-trained classifier it is noisier than the labels, and a
+        classifier trained on it at once degrades and drags the chain down with it; the
+        ramp lets it keep learning from the labels while its posterior improves.
     anneal: power annealing γ = max(exp(-anneal_rate * step / max_step), anneal_floor)
         (the paper's setting on Clothing1M/WebVision); off (γ = 1) by default, as on CIFAR.
     outlier: LCCN*, ``K_latent = K + 1`` with the last latent class = out of distribution.
@@ -50,6 +56,7 @@ class LCCNConfig:
     anchor_quantile: float = 0.97
     init: str = "argmax"
     targets: str = "posterior"
+    ramp: float = 0.25
     anneal: bool = False
     anneal_floor: float = 0.5
     anneal_rate: float = 0.8
@@ -67,6 +74,8 @@ class LCCNConfig:
             raise ValueError(f"warmup must be one of {WARMUPS}, got {self.warmup!r}")
         if self.targets not in TARGETS:
             raise ValueError(f"targets must be one of {TARGETS}, got {self.targets!r}")
+        if not 0 <= self.ramp <= 1:
+            raise ValueError(f"ramp must lie in [0, 1], got {self.ramp}")
         if not 0 < self.anchor_quantile < 1:
             raise ValueError(f"anchor_quantile must lie in (0, 1), got {self.anchor_quantile}")
         if self.init not in INITS:

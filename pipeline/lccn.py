@@ -49,6 +49,7 @@ class SampleStats:
     wait: float      # seconds blocked on the store before sampling
     posterior: Tensor | None = None  # (B, K_latent) the Eq. 7 conditional each z was drawn
     #                                  from (one-hot at the clean label for trusted samples)
+    ramp: float = 1.0  # weight of the LCCN target against the observed label (LCCNConfig.ramp)
 
 
 class GibbsLabeler:
@@ -85,6 +86,13 @@ class GibbsLabeler:
             return 1.0
         return anneal_gamma(self.step_count, self.max_steps, floor=self.cfg.anneal_floor,
                             rate=self.cfg.anneal_rate)
+
+    def ramp(self) -> float:
+        """Weight of the LCCN target in the loss at this step: rises linearly from 0 to 1
+        over the first ``cfg.ramp`` fraction of the LCCN phase (1 when ``ramp`` is 0)."""
+        if self.cfg.ramp <= 0:
+            return 1.0
+        return min(1.0, (self.step_count + 1) / (self.cfg.ramp * self.max_steps))
 
     def prefetch(self, idx: Tensor) -> None:
         """Sync ``z`` of the first batch (and the replica) before the first :meth:`sample`."""
@@ -137,7 +145,8 @@ class GibbsLabeler:
             onehot = torch.nn.functional.one_hot(self.clean[idx], self.k_latent)
             post = torch.where(counted.unsqueeze(1), post, onehot.to(post.dtype))
         changed = float((z_new != z_old).float().mean()) if z_new.numel() else 0.0
-        return z_new, SampleStats(gamma, warm, self._staleness, changed, waited, post)
+        return z_new, SampleStats(gamma, warm, self._staleness, changed, waited, post,
+                                  self.ramp())
 
     def commit(self, idx: Tensor, z_new: Tensor, next_idx: Tensor | None) -> None:
         """Send the batch's labels and ask for ``z`` of ``next_idx``; does not wait for the

@@ -69,16 +69,19 @@ def train_one_epoch(model: nn.Module, batches: Iterable[Any], optimizer: torch.o
             tot["changed"] += stats.changed
             tot["staleness"] += stats.staleness
             tot["gamma"] = stats.gamma
-        else:
-            target = observed
-            if trusted is not None:
-                target = torch.where(trusted[idx], clean, observed)
+        labels = observed if trusted is None else torch.where(trusted[idx], clean, observed)
+        if labeler is None:
+            target = labels
+        w = valid.to(device)
         if labeler is not None and labeler.cfg.targets == "posterior":
-            loss = soft_cross_entropy(logits, stats.posterior.to(device), xi=xi,
-                                      weight=valid.to(device))
+            loss = soft_cross_entropy(logits, stats.posterior.to(device), xi=xi, weight=w)
         else:
-            loss = clipped_cross_entropy(logits, target.to(device), xi=xi,
-                                         weight=valid.to(device))
+            loss = clipped_cross_entropy(logits, target.to(device), xi=xi, weight=w)
+        if labeler is not None and stats.ramp < 1.0:
+            # the LCCN target's weight ramps up from 0: a weak pretrained classifier keeps
+            # learning from the observed labels while its own posterior is still poor
+            loss = stats.ramp * loss + (1.0 - stats.ramp) * clipped_cross_entropy(
+                logits, labels.to(device), xi=xi, weight=w)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
