@@ -205,6 +205,12 @@ def test_resume_after_failure_is_exact(digits, tmp_path, one_thread):
     # the batches after the checkpoint
     assert [r["loss"] for r in a["history"][:2]] == [r["loss"] for r in b["history"][:2]]
     assert b["history"][2]["steps"] == 18 and a["history"][2]["steps"] == 20
+    # the collapse monitor's statistics land in the LCCN epochs' rows (rank 0, from the
+    # store state at the epoch's checkpoint), not in the CE epoch's
+    assert "latent_entropy" not in a["history"][0]
+    for r in a["history"][1:]:
+        assert 0.5 < r["latent_entropy"] <= 1.1 and 0 < r["z_agreement"] <= 1
+        assert r["collapse"] in (0.0, 1.0) and r["phi_drift"] >= 0
     # the checkpointed store state equals the live store at the end
     assert torch.equal(b["store"]["z"], store.z) and b["store"]["version"] == store.version
 
@@ -404,7 +410,8 @@ def test_mlflow_run_holds_metrics_figures_and_checkpoint(chaos_run):
     assert run.info.run_id == s["mlflow_run_id"] and run.info.status == "FINISHED"
     top1 = client.get_metric_history(run.info.run_id, "test_top1")
     assert sorted({m.step for m in top1}) == list(range(EPOCHS))
-    assert {"staleness", "sync_time", "transition_error", "steps_per_s"} <= set(run.data.metrics)
+    assert {"staleness", "sync_time", "transition_error", "steps_per_s", "latent_entropy",
+            "z_agreement", "phi_drift", "collapse"} <= set(run.data.metrics)
     files = {f.path for f in client.list_artifacts(run.info.run_id)}
     assert {"transitions", "transition.csv", "checkpoint", "curves.png"} <= files
     figs = {f.path for f in client.list_artifacts(run.info.run_id, "transitions")}
