@@ -10,13 +10,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 from pipeline.config import RunConfig
 from pipeline.confusion_store import ConfusionStore
-import numpy as np
-
 from pipeline.labels import LabelView, holdout_split
 from pipeline.lccn import GibbsLabeler
 from pipeline.loop import evaluate, predict, train_one_epoch

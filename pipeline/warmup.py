@@ -22,27 +22,26 @@ def estimate_phi_init(cfg, probs: Tensor, observed: Tensor, k_latent: int, num_c
         return anchor_transition(probs, num_classes, quantile=cfg.anchor_quantile,
                                  reduce=reduce)
     if cfg.warmup == "eq8":
-        reduce = reduce or (lambda t: t)
-        onehot = torch.nn.functional.one_hot(observed.long(), num_classes).to(torch.float64)
-        num = reduce(probs.to(torch.float64).T @ onehot)                  # (K_latent, K)
-        den = num.sum(1, keepdim=True)
-        uniform = torch.full_like(num, 1.0 / num_classes)
-        return torch.where(den > 0, num / den.clamp_min(1e-300), uniform)
+        return soft_confusion(probs, observed, num_classes, reduce=reduce)
     raise ValueError(f"unknown warm-up {cfg.warmup!r}")
 
 
-def soft_confusion(probs: Tensor, observed: Tensor, num_classes: int) -> Tensor:
+def soft_confusion(probs: Tensor, observed: Tensor, num_classes: int, *,
+                   reduce=None) -> Tensor:
     """Eq. 8: ``phi_init[k, j] = Σ_n 1(ỹ_n = j) P(k | x_n) / Σ_n P(k | x_n)``.
 
     probs: (N, K_latent) predictions of the pretrained classifier over the training set;
-    observed: (N,) int64 in [0, K). Returns (K_latent, K) float64, rows sum to 1 (a row
-    the classifier never predicts is uniform).
+    observed: (N,) int64 in [0, K); ``reduce``: an optional sum over workers of the
+    (K_latent, K) numerator. Returns (K_latent, K) float64, rows sum to 1 (a row the
+    classifier never predicts is uniform).
     """
     if probs.ndim != 2 or observed.shape != (probs.shape[0],):
         raise ValueError(f"probs (N, K_latent) and observed (N,) disagree: "
                          f"{tuple(probs.shape)} vs {tuple(observed.shape)}")
     onehot = torch.nn.functional.one_hot(observed.long(), num_classes).to(torch.float64)
     num = probs.to(torch.float64).T @ onehot                       # (K_latent, K)
+    if reduce is not None:
+        num = reduce(num)
     den = num.sum(1, keepdim=True)
     uniform = torch.full_like(num, 1.0 / num_classes)
     return torch.where(den > 0, num / den.clamp_min(1e-300), uniform)
