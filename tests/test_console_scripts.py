@@ -50,11 +50,14 @@ def test_installed_scripts_match_pyproject():
     import json
     from importlib import metadata
 
-    try:
-        dist = metadata.distribution("lccn-pipeline")
-    except metadata.PackageNotFoundError:
+    # the installed distribution is the one pip recorded (direct_url.json); an .egg-info
+    # folder that setuptools leaves in the checkout is found first on sys.path but is not it
+    dists = [d for d in metadata.distributions(name="lccn-pipeline")
+             if d.read_text("direct_url.json")]
+    if not dists:
         pytest.skip("lccn-pipeline is not installed in this environment")
-    direct = json.loads(dist.read_text("direct_url.json") or "{}")
+    dist = dists[0]
+    direct = json.loads(dist.read_text("direct_url.json"))
     if direct.get("url", "").removeprefix("file://") != str(REPO):
         pytest.skip(f"the installed lccn-pipeline is another checkout ({direct.get('url')})")
     installed = {ep.name: ep.value for ep in dist.entry_points if ep.group == "console_scripts"}

@@ -16,6 +16,7 @@ from pipeline.models import (
 # (name, input (C, H, W), num_classes): the smallest inputs each model is meant for
 CASES = [
     ("small_cnn", (3, 32, 32), 10),
+    ("cnn_wide", (3, 32, 32), 10),
     ("preact_resnet32", (3, 32, 32), 11),  # LCCN*: K + 1
     ("preact_resnet18", (3, 32, 32), 100),
     ("resnet50", (3, 64, 64), 14),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -94,12 +95,17 @@ def test_lccn_star_outlier_row_and_lccn_plus_trusted_targets(monkeypatch):
         z, stats = real_sample(self, probs, observed, idx)
         t = trusted[idx]
         assert torch.equal(z[t], clean[idx][t]), "a trusted sample got a sampled target"
+        # the posterior target (the default) of a trusted sample is one-hot at its label
+        assert torch.equal(stats.posterior[t].argmax(1), clean[idx][t])
+        assert torch.all(stats.posterior[t].max(1).values == 1.0)
         seen["trusted"] += int(t.sum())
         seen["wrong_observed"] += int((t & (observed != clean[idx])).sum())
         return z, stats
 
     monkeypatch.setattr(lccn.GibbsLabeler, "sample", recording_sample)
     cfg = _short_cfg(outlier=True, use_trusted=True, warmup="identity", init="observed")
+    # no validation split: the trainer's idx are the view's
+    cfg = replace(cfg, val_fraction=0.0)
     trainer = LocalTrainer(cfg, TensorData(xtr, view), TensorData(xte, clean_view(yte)))
     assert trainer.k_latent == 11
     trainer.fit()
