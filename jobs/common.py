@@ -95,7 +95,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     # the quickstart: scikit-learn digits, small CNN on the CPU
     # targets "sample": on 1,257 digits a small CNN memorises the noisy labels, and the
     # sampled z (which relabels) beats the posterior target (which follows the labels once
-    # memorised): +7.2 vs +2.4 points over CE on three seeds; ramp 0: 8 CE epochs make a
+    # memorised): +8.2 vs +2.4 points over CE on three seeds; ramp 0: 8 CE epochs make a
     # strong start here, and the ramp costs most of the gain (docs/fidelity.md)
     Preset("digits", "small_cnn", "digits", 32, 0.1, 30, 8, 5e-4, 0, "anchor",
            targets="sample", ramp=0.0, milestones=(20,), in_channels=1),
