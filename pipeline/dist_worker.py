@@ -368,6 +368,7 @@ def run_worker(run: RunConfig, dist: DistConfig, view: LabelView, store: Any,
     failures = _Failures(dist.inject_failure, rank, dist.run_dir)
     labeler: DistLabeler | None = None
     monitor = CollapseMonitor(run.monitor)
+    collapsed = False
     rows: list[dict[str, float]] = []
     if start_epoch >= o.epochs and rank == 0:
         print(f"run {dist.run_name}: already complete ({start_epoch} of {o.epochs} epochs in "
@@ -443,6 +444,7 @@ def run_worker(run: RunConfig, dist: DistConfig, view: LabelView, store: Any,
             flag = torch.tensor([row.get("collapse", 0.0) if run.monitor.stop else 0.0],
                                 dtype=torch.float64)
             if float(session.all_reduce_sum(flag.to(device)).cpu()[0]) > 0:
+                collapsed = True
                 if rank == 0:
                     print(f"run {dist.run_name}: stopped after epoch {epoch}: the LCCN chain "
                           f"collapsed (MonitorConfig.stop)", flush=True)
@@ -455,7 +457,7 @@ def run_worker(run: RunConfig, dist: DistConfig, view: LabelView, store: Any,
                 print(f"could not mark MLflow run {run_id} FAILED: {e}", flush=True)
         raise
     if tracker is not None:
-        tracker.end("FINISHED")
+        tracker.end("FAILED" if collapsed else "FINISHED")
     return rows
 
 
@@ -547,7 +549,7 @@ def _checkpoint(session: Session, store: Any, *, tracker: Any, base: nn.Module,
             health = chain_health(store_state["z"], store_state["observed"], k_latent,
                                   view.num_classes, counted=store_state["counted"], phi=phi,
                                   phi_init=phi_init)
-            health["collapse"] = float(bool(monitor.check(health, epoch=epoch - 1)))
+            health["collapse"] = float(bool(monitor.check(health, epoch=epoch - 1, stop=False)))
             metrics.update(health)
             row.update(health)
         metrics.update({f"store_{key}": v for key, v in store.stats().items()

@@ -101,13 +101,15 @@ class CollapseMonitor:
         return out
 
     def check(self, health: dict[str, float], val_top1: float = float("nan"), *,
-              epoch: int | None = None) -> list[str]:
+              epoch: int | None = None, stop: bool | None = None) -> list[str]:
+        """``stop`` overrides ``MonitorConfig.stop`` (a distributed run warns here and stops
+        every rank together itself)."""
         found = self.reasons(health, val_top1)
         if found:
             self.fired += 1
             where = f" at epoch {epoch}" if epoch is not None else ""
             msg = f"LCCN chain collapse suspected{where}: " + "; ".join(found)
-            if self.cfg.stop:
+            if self.cfg.stop if stop is None else stop:
                 raise ChainCollapsed(msg)
             warnings.warn(msg, CollapseWarning, stacklevel=2)
         return found

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import LCCNConfig, ModelConfig, OptimConfig, RunConfig
+from pipeline.config import LCCNConfig, ModelConfig, MonitorConfig, OptimConfig, RunConfig
+from pipeline.monitor import CollapseWarning
 from pipeline.confusion import count_matrix
 from pipeline.confusion_store import ConfusionStore
 from pipeline.dist_worker import DistConfig, LocalSession, parse_failures, run_worker
@@ -213,6 +214,22 @@ def test_resume_after_failure_is_exact(digits, tmp_path, one_thread):
         assert r["collapse"] in (0.0, 1.0) and r["phi_drift"] >= 0
     # the checkpointed store state equals the live store at the end
     assert torch.equal(b["store"]["z"], store.z) and b["store"]["version"] == store.version
+
+
+def test_collapse_monitor_can_stop_a_distributed_run(digits, tmp_path, one_thread, monkeypatch):
+    """With MonitorConfig(stop=True) the worker loop stops after the first LCCN epoch whose
+    chain the monitor flags (forced here: its criteria are tested in test_fidelity), on
+    every rank together, and warns instead of raising on rank 0 alone."""
+    from pipeline.monitor import CollapseMonitor
+
+    monkeypatch.setattr(CollapseMonitor, "reasons", lambda self, health, val=0.0: ["forced"])
+    run, dist, view, z0, counted = _local_run(digits, tmp_path, epochs=3)
+    run = replace(run, monitor=MonitorConfig(stop=True))
+    store = StoreActor(torch.from_numpy(view.observed), z0, 10, 10, counted=counted)
+    with pytest.warns(CollapseWarning):
+        rows = run_worker(run, dist, view, LocalStoreClient(store), LocalSession(tmp_path / "c"))
+    assert len(rows) == 2  # the CE epoch and the first LCCN epoch, not the third
+    assert rows[1]["collapse"] == 1.0 and "collapse" not in rows[0]
 
 
 def test_store_state_from_checkpoint_recounts(digits, tmp_path, one_thread):
