@@ -90,6 +90,11 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--pretrain-epochs", type=int, default=8)
     p.add_argument("--milestones", type=int, nargs="*", default=[16, 21])
     p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--lr-values", type=float, nargs="*", default=[],
+                   help="lr of each phase between milestones (the paper's CIFAR preset: 0.5 "
+                        "0.1 0.01 at milestones 40 80); empty: --lr x0.1 per milestone")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (the GPU runs of the "
+                   "paper's schedule)")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--val-fraction", type=float, default=0.05)
     p.add_argument("--alpha", type=float, default=_LCCN_DEFAULTS.alpha)
@@ -182,6 +187,25 @@ def _chain_diagnostics(trainer: LocalTrainer) -> dict:
             "recovery_per_class": rec, "phi": store.transition().tolist()}
 
 
+def _set_schedule(args: argparse.Namespace, trainer: LocalTrainer, *, offset: int) -> None:
+    """--lr-values: a piecewise-constant schedule (epoch e + offset of the whole run) in
+    place of the trainer's x0.1 steps."""
+    if not args.lr_values:
+        return
+    if len(args.lr_values) != len(args.milestones) + 1:
+        raise ValueError(f"--lr-values needs one value per phase ({len(args.milestones) + 1} "
+                         f"for milestones {args.milestones}), got {args.lr_values}")
+    base = args.lr
+
+    def factor(e: int) -> float:
+        phase = sum(e + offset >= m for m in args.milestones)
+        return args.lr_values[phase] / base
+
+    for g in trainer.optimizer.param_groups:
+        g["lr"] = g["initial_lr"] = base
+    trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, factor)
+
+
 def fit_pair(args: argparse.Namespace, cfg_ce: RunConfig, cfg_lccn: RunConfig,
              train: TensorData, test: TensorData) -> dict:
     """CE for all epochs; LCCN continuing from CE's state after the pre-training.
@@ -190,11 +214,14 @@ def fit_pair(args: argparse.Namespace, cfg_ce: RunConfig, cfg_lccn: RunConfig,
     CE's first ``P`` epochs: LCCN starts from a snapshot of CE's model, optimiser (momentum)
     and generator after epoch ``P``, with the milestones shifted by ``P``."""
     e_total, p = args.epochs, args.pretrain_epochs
-    if any(m <= p for m in args.milestones):
+    if any(m <= p for m in args.milestones) and not args.lr_values:
         raise ValueError(f"sharing the pre-training needs every milestone > pretrain epochs "
                          f"({p}), got {args.milestones}")
     snap: dict = {}
-    ce = LocalTrainer(cfg_ce, train, test)
+    if "ce" not in args.methods:  # only the pre-training of CE is needed
+        cfg_ce = replace(cfg_ce, optim=replace(cfg_ce.optim, epochs=p))
+    ce = LocalTrainer(cfg_ce, train, test, device=args.device)
+    _set_schedule(args, ce, offset=0)
     show_ce = _show("ce", e_total)
     t0 = time.perf_counter()
 
@@ -208,13 +235,14 @@ def fit_pair(args: argparse.Namespace, cfg_ce: RunConfig, cfg_lccn: RunConfig,
 
     hist_ce = ce.fit(on_epoch=on_epoch)
     out = {"ce": {"history": hist_ce, "wall_s": time.perf_counter() - t0,
-                  "config": asdict(cfg_ce)}}
+                  "config": asdict(cfg_ce)}} if "ce" in args.methods else {}
     if "lccn" not in args.methods:
         return out
     cfg = replace(cfg_lccn, optim=replace(cfg_lccn.optim, epochs=e_total - p, pretrain_epochs=0,
                                           milestones=tuple(m - p for m in args.milestones)))
     t1 = time.perf_counter()
-    lc = LocalTrainer(cfg, train, test)
+    lc = LocalTrainer(cfg, train, test, device=args.device)
+    _set_schedule(args, lc, offset=p)
     lc.model.load_state_dict(snap["model"])
     lc.optimizer.load_state_dict(snap["optim"])
     lc.gen.set_state(snap["gen"])
@@ -325,7 +353,7 @@ def markdown_report(results: list[dict]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name in SETTINGS:
         rs = sorted(by.get(name, []), key=lambda r: r["seed"])
-        if not rs or any("lccn" not in r["methods"] for r in rs):
+        if not rs or any("lccn" not in r["methods"] or "ce" not in r["methods"] for r in rs):
             continue
         s = [{m: e["summary"] for m, e in r["methods"].items()} for r in rs]
         ce_f = [x["ce"]["final_test"] for x in s]

@@ -178,17 +178,23 @@ class RandomCropFlip:
             raise ValueError(f"images must be (B, C, H, W), got {tuple(images.shape)}")
         b, c, h, w = images.shape
         p = self.padding
-        fill = self.fill.to(images.dtype)
+        dev = images.device
+        fill = self.fill.to(device=dev, dtype=images.dtype)
         if fill.ndim == 1 and fill.numel() != c:
             raise ValueError(f"fill has {fill.numel()} channels, images have {c}")
         padded = fill.view(1, -1, 1, 1).expand(b, c, h + 2 * p, w + 2 * p).clone() \
             if fill.ndim == 1 else images.new_full((b, c, h + 2 * p, w + 2 * p), float(fill))
         padded[:, :, p:p + h, p:p + w] = images
-        dy = torch.randint(0, 2 * p + 1, (b,), generator=generator)
-        dx = torch.randint(0, 2 * p + 1, (b,), generator=generator)
-        flip = torch.rand(b, generator=generator) < self.flip_p
-        rows = dy[:, None] + torch.arange(h)                                    # (B, H)
-        ar = torch.arange(w)
+        # the draws come from ``generator`` wherever it lives (the same crops for images on
+        # the host or on an accelerator); the gather runs where the images are
+        dy = torch.randint(0, 2 * p + 1, (b,), generator=generator,
+                           device=generator.device).to(dev, non_blocking=True)
+        dx = torch.randint(0, 2 * p + 1, (b,), generator=generator,
+                           device=generator.device).to(dev, non_blocking=True)
+        flip = (torch.rand(b, generator=generator, device=generator.device)
+                < self.flip_p).to(dev, non_blocking=True)
+        rows = dy[:, None] + torch.arange(h, device=dev)                        # (B, H)
+        ar = torch.arange(w, device=dev)
         cols = dx[:, None] + torch.where(flip[:, None], (w - 1) - ar, ar)       # (B, W)
         # one gather over the flattened padded planes (several times faster on CPU than
         # four-tensor advanced indexing)

@@ -149,6 +149,53 @@ class MonitorConfig:
                 raise ValueError(f"monitor {name} must lie in [0, 1], got {v}")
 
 
+SWITCHES = ("auto", "on", "off")
+AMPS = ("auto", "bf16", "off")
+COMPILES = ("off", "default", "reduce-overhead", "max-autotune-no-cudagraphs")
+
+
+@dataclass(frozen=True)
+class PerfConfig:
+    """Fast paths of the training step. ``"auto"`` means on for a CUDA device and off on the
+    CPU (where bf16 autocast and channels-last are slower or unsupported by the kernels);
+    the CPU path is the reference the exactness tests run.
+
+    amp: ``"bf16"`` autocast of the forward pass (logits and the loss stay float32).
+    channels_last: NHWC activations (cuDNN's fast convolution layout).
+    compile: ``torch.compile`` mode, ``"off"`` by default (compilation costs tens of
+        seconds per model and process); falls back to eager with a warning when the
+        compiler is unavailable or fails on the first batch.
+    cudnn_benchmark: let cuDNN time its convolution algorithms (fixed input sizes).
+    data_on_device: in-memory datasets (CIFAR, digits) are copied to the device once, and
+        the crop/flip augmentation runs there.
+    """
+
+    amp: str = "auto"
+    channels_last: str = "auto"
+    compile: str = "off"
+    cudnn_benchmark: str = "auto"
+    data_on_device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.amp not in AMPS:
+            raise ValueError(f"PerfConfig.amp must be one of {AMPS}, got {self.amp!r}")
+        if self.compile not in COMPILES:
+            raise ValueError(f"PerfConfig.compile must be one of {COMPILES}, got {self.compile!r}")
+        for name in ("channels_last", "cudnn_benchmark", "data_on_device"):
+            if getattr(self, name) not in SWITCHES:
+                raise ValueError(f"PerfConfig.{name} must be one of {SWITCHES}, "
+                                 f"got {getattr(self, name)!r}")
+
+    def enabled(self, name: str, device: str | object) -> bool:
+        """Whether switch ``name`` is on for ``device`` (``"auto"``: on for CUDA only)."""
+        value = getattr(self, name)
+        if name == "amp":
+            value = {"bf16": "on"}.get(value, value)
+        if value == "auto":
+            return str(device).startswith("cuda")
+        return value == "on"
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """What to run: ``method`` is ``"ce"`` (baseline) or ``"lccn"`` (variants via LCCNConfig).
@@ -165,6 +212,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     lccn: LCCNConfig = field(default_factory=LCCNConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    perf: PerfConfig = field(default_factory=PerfConfig)
     val_fraction: float = 0.05
     check_invariants: bool = True
 
@@ -193,4 +241,4 @@ def from_dict(cls: type[T], data: dict[str, Any]) -> T:
 
 
 _CONFIGS = {c.__name__: c for c in (LCCNConfig, OptimConfig, ModelConfig, MonitorConfig,
-                                    RunConfig)}
+                                    PerfConfig, RunConfig)}

@@ -62,6 +62,8 @@ def apply_delta_(counts: Tensor, observed: Tensor, z_old: Tensor, z_new: Tensor)
     """
     k = counts.shape[1]
     flat = counts.view(-1)
+    dev = counts.device  # a replica on an accelerator takes host deltas
+    observed, z_old, z_new = (t.to(dev, non_blocking=True) for t in (observed, z_old, z_new))
     ones = torch.ones_like(observed, dtype=counts.dtype)
     flat.index_add_(0, z_old.long() * k + observed.long(), -ones)
     flat.index_add_(0, z_new.long() * k + observed.long(), ones)

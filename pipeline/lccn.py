@@ -45,7 +45,8 @@ class SampleStats:
     gamma: float
     warmup: bool
     staleness: int   # commits by other workers the replica had not seen when it last synced
-    changed: float   # fraction of the batch whose latent label moved
+    changed: float | Tensor  # fraction of the batch whose latent label moved (a 0-d device
+    #                          tensor when the labeler runs on an accelerator: no host sync)
     wait: float      # seconds blocked on the store before sampling
     posterior: Tensor | None = None  # (B, K_latent) the Eq. 7 conditional each z was drawn
     #                                  from (one-hot at the clean label for trusted samples)
@@ -58,19 +59,33 @@ class GibbsLabeler:
     counts: (K_latent, K) int64 initial replica of C at version ``version``;
     trusted: (N,) bool lookup by idx (LCCN+), clean: (N,) int64 lookup by idx;
     phi_init: (K_latent, K) warm-up transition, rows sum to 1.
+    device: where the replica of C lives and Eq. 7 runs (default: the device of
+    ``counts``). On an accelerator nothing in :meth:`sample` waits for the device: the
+    range checks run on the host copies of ``observed`` and ``z_old``, the draws come
+    from a generator on that device (``generator``'s seed, a separate stream), and the
+    returned ``z`` stays on the device (the caller copies it to the host for
+    :meth:`commit`, e.g. with :class:`pipeline.fastpath.HostStage`).
     """
 
     def __init__(self, cfg: LCCNConfig, store: Store, counts: Tensor, version: int, *,
                  phi_init: Tensor, max_steps: int, generator: torch.Generator,
                  trusted: Tensor | None = None, clean: Tensor | None = None,
-                 worker: str = "0") -> None:
+                 worker: str = "0", device: torch.device | str | None = None) -> None:
         self.cfg, self.store = cfg, store
-        self.counts = counts.clone()
+        dev = torch.device(device) if device is not None else counts.device
+        self.device = dev
+        self.counts = counts.clone().to(dev)
         self.version = version
         self.k_latent, self.num_classes = counts.shape
-        self.alpha = as_alpha(cfg.alpha, self.num_classes)
-        self.phi_init = phi_init
+        self.alpha = as_alpha(cfg.alpha, self.num_classes).to(dev)
+        self.phi_init = phi_init.to(dev)
         self.max_steps = max(1, max_steps)
+        if generator.device.type != dev.type:
+            # one stream per device: Eq. 7's draws on an accelerator come from a generator
+            # there, seeded from the given one's seed
+            device_gen = torch.Generator(device=dev)
+            device_gen.manual_seed(generator.initial_seed())
+            generator = device_gen
         self.generator = generator
         self.trusted = trusted if cfg.use_trusted else None
         self.clean = clean
@@ -136,15 +151,25 @@ class GibbsLabeler:
             counted = ~self.trusted[idx]
         gamma = self.gamma()
         # gibbs_step, with the posterior kept: the same draws from the same generator
-        post = gibbs_posterior(probs.detach().cpu(), observed.cpu(), z_old, self.counts,
+        dev = self.device
+        # host tensors (observed, z_old, counted) are range-checked where they are and then
+        # copied; probs stay where the model put them when that is the replica's device
+        post = gibbs_posterior(probs.detach().to(dev), observed.cpu(), z_old, self.counts,
                                self.alpha, gamma=gamma, phi=self.phi_init if warm else None,
                                counted=counted)
         z_new = sample_categorical(post, generator=self.generator)
         if counted is not None and self.clean is not None:
-            z_new = torch.where(counted, z_new, self.clean[idx])
-            onehot = torch.nn.functional.one_hot(self.clean[idx], self.k_latent)
-            post = torch.where(counted.unsqueeze(1), post, onehot.to(post.dtype))
-        changed = float((z_new != z_old).float().mean()) if z_new.numel() else 0.0
+            counted_d = counted.to(dev, non_blocking=True)
+            clean_d = self.clean[idx].to(dev, non_blocking=True)
+            z_new = torch.where(counted_d, z_new, clean_d)
+            onehot = torch.nn.functional.one_hot(clean_d, self.k_latent)
+            post = torch.where(counted_d.unsqueeze(1), post, onehot.to(post.dtype))
+        if not z_new.numel():
+            changed: float | Tensor = 0.0
+        else:
+            changed = (z_new != z_old.to(dev, non_blocking=True)).float().mean()
+            if dev.type == "cpu":
+                changed = float(changed)
         return z_new, SampleStats(gamma, warm, self._staleness, changed, waited, post,
                                   self.ramp())
 

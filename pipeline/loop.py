@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from pipeline.fastpath import HostStage, to_device
 from pipeline.lccn import GibbsLabeler
 from pipeline.losses import clipped_cross_entropy, soft_cross_entropy
 
@@ -38,19 +39,35 @@ def train_one_epoch(model: nn.Module, batches: Iterable[Any], optimizer: torch.o
 
     labeler None: cross-entropy on the observed labels (CE; trusted samples, if a
     ``trusted (N,) bool`` lookup is given, train on their clean label). Otherwise LCCN:
-    forward -> Gibbs-sample z (Eq. 7) -> commit z (async) -> ξ-clipped CE on z (or, with
-    ``targets="posterior"``, on the Eq. 7 conditional z was drawn from) -> backward.
+    forward -> Gibbs-sample z (Eq. 7) -> ξ-clipped CE on z (or, with
+    ``targets="posterior"``, on the Eq. 7 conditional z was drawn from) -> backward ->
+    optimiser step -> commit z (async; the store's reply is awaited by the next sample).
     Returns loss, label_recovery (sampled z == clean where the clean label is known),
     changed (fraction of z that moved), staleness, gamma, step_time, sampler_time,
     sampler_share, sync_time, images_per_s, steps.
+
+    On an accelerator the step never waits for the device except where the store needs the
+    sampled labels: z goes to the host through a pinned buffer whose copy is enqueued right
+    after sampling and awaited only after backward and the optimiser step are enqueued, so
+    the device stays busy; the per-step figures accumulate on the device and are read once,
+    at the end of the epoch.
     """
     model.train()
-    tot = {"loss": 0.0, "n": 0, "recovered": 0, "known": 0, "changed": 0.0,
-           "staleness": 0.0, "sampler": 0.0, "sync": 0.0, "steps": 0, "gamma": 1.0}
+    dev = torch.device(device)
+    zero = torch.zeros((), dtype=torch.float64, device=dev)
+    acc = {"loss": zero.clone(), "recovered": zero.clone(), "changed": zero.clone()}
+    tot = {"n": 0, "known": 0, "staleness": 0.0, "sampler": 0.0, "sync": 0.0, "steps": 0,
+           "gamma": 1.0}
+    stage = HostStage()
     t_start = time.perf_counter()
     for batch, nxt in _lookahead(batches):
-        images = batch.images.to(device, non_blocking=True)
+        images = batch.images.to(dev, non_blocking=True)
         observed, idx, clean, valid = batch.observed, batch.idx, batch.clean, batch.valid
+        labels = observed if trusted is None else torch.where(trusted[idx], clean, observed)
+        known = valid & (clean >= 0)
+        if num_classes is not None:
+            known &= clean <= num_classes
+        labels_d, clean_d, valid_d, known_d = to_device((labels, clean, valid, known), dev)
         if labeler is not None and tot["steps"] == 0:
             labeler.prefetch(idx)
         logits = model(images)
@@ -61,49 +78,50 @@ def train_one_epoch(model: nn.Module, batches: Iterable[Any], optimizer: torch.o
             tot["sampler"] += time.perf_counter() - t0 - stats.wait
             tot["sync"] += stats.wait
             target = z if labeler.cfg.targets != "map" else stats.posterior.argmax(1)
-            # send the labels now: the round trip overlaps backward, the optimiser step and
-            # the next forward; the reply is awaited by the next sample()
-            t0 = time.perf_counter()
-            labeler.commit(idx[valid], z[valid], nxt.idx if nxt is not None else None)
-            tot["sync"] += time.perf_counter() - t0
-            tot["changed"] += stats.changed
+            target = target.to(dev, non_blocking=True)
+            stage.put(z)  # to the host for the commit, without waiting for it here
+            acc["changed"] += stats.changed
             tot["staleness"] += stats.staleness
             tot["gamma"] = stats.gamma
-        labels = observed if trusted is None else torch.where(trusted[idx], clean, observed)
-        if labeler is None:
-            target = labels
-        w = valid.to(device)
-        if labeler is not None and labeler.cfg.targets == "posterior":
-            loss = soft_cross_entropy(logits, stats.posterior.to(device), xi=xi, weight=w)
         else:
-            loss = clipped_cross_entropy(logits, target.to(device), xi=xi, weight=w)
+            target = labels_d
+        w = valid_d.to(torch.float32)
+        if labeler is not None and labeler.cfg.targets == "posterior":
+            loss = soft_cross_entropy(logits, stats.posterior.to(dev), xi=xi, weight=w)
+        else:
+            loss = clipped_cross_entropy(logits, target, xi=xi, weight=w)
         if labeler is not None and stats.ramp < 1.0:
             # the LCCN target's weight ramps up from 0: a weak pretrained classifier keeps
             # learning from the observed labels while its own posterior is still poor
             loss = stats.ramp * loss + (1.0 - stats.ramp) * clipped_cross_entropy(
-                logits, labels.to(device), xi=xi, weight=w)
+                logits, labels_d, xi=xi, weight=w)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+        if labeler is not None:
+            # send the labels now: the round trip overlaps the next forward; the reply is
+            # awaited by the next sample()
+            t0 = time.perf_counter()
+            z_host = stage.get()
+            labeler.commit(idx[valid], z_host[valid], nxt.idx if nxt is not None else None)
+            tot["sync"] += time.perf_counter() - t0
         if after_step is not None:
             after_step()
         nvalid = int(valid.sum())
-        tot["loss"] += float(loss.detach()) * nvalid
+        acc["loss"] += loss.detach() * nvalid
         tot["n"] += nvalid
-        known = valid & (clean >= 0)
-        if num_classes is not None:
-            known &= clean <= num_classes
         tot["known"] += int(known.sum())
-        tot["recovered"] += int((target.cpu()[known] == clean[known]).sum())
+        acc["recovered"] += ((target == clean_d) & known_d).sum()
         tot["steps"] += 1
     if labeler is not None:
         tot["sync"] += labeler.flush()
+    host = {k: float(v) for k, v in acc.items()}  # the epoch's one read of device figures
     elapsed = time.perf_counter() - t_start
     steps = max(tot["steps"], 1)
     return {
-        "loss": tot["loss"] / max(tot["n"], 1),
-        "label_recovery": tot["recovered"] / tot["known"] if tot["known"] else float("nan"),
-        "changed": tot["changed"] / steps,
+        "loss": host["loss"] / max(tot["n"], 1),
+        "label_recovery": host["recovered"] / tot["known"] if tot["known"] else float("nan"),
+        "changed": host["changed"] / steps,
         "staleness": tot["staleness"] / steps,
         "gamma": float(tot["gamma"]),
         "step_time": elapsed / steps,
@@ -121,13 +139,17 @@ def predict(model: nn.Module, batches: Iterable[Any], *, device: torch.device | 
     """Softmax probabilities ``(N, K_out)``, idx ``(N,)`` and clean ``(N,)`` over ``batches``
     (valid samples only)."""
     model.eval()
-    probs, idxs, cleans = [], [], []
+    probs, idxs, cleans, valids = [], [], [], []
     for b in batches:
-        p = torch.softmax(model(b.images.to(device)).float(), dim=1).cpu()
-        probs.append(p[b.valid])
-        idxs.append(b.idx[b.valid])
-        cleans.append(b.clean[b.valid])
-    return torch.cat(probs), torch.cat(idxs), torch.cat(cleans)
+        # kept on the device until the end: one copy to the host, not one sync per batch
+        probs.append(torch.softmax(model(b.images.to(device, non_blocking=True)).float(), dim=1))
+        idxs.append(b.idx)
+        cleans.append(b.clean)
+        valids.append(b.valid)
+    if not probs:
+        raise ValueError("predict() got no batches")
+    valid = torch.cat(valids)
+    return torch.cat(probs).cpu()[valid], torch.cat(idxs)[valid], torch.cat(cleans)[valid]
 
 
 @torch.no_grad()

@@ -37,7 +37,11 @@ def conditional_transition(observed: Tensor, z_old: Tensor, counts: Tensor,
     ``[z_old[m], j]`` when ``counted[m]`` (default: all counted).
     """
     k_latent, k = counts.shape
-    a = as_alpha(alpha, k).to(counts.device)
+    if (isinstance(alpha, Tensor) and alpha.device == counts.device and alpha.shape == (k,)
+            and alpha.dtype == torch.float64 and alpha.device.type != "cpu"):
+        a = alpha  # a device copy the labeler validated once (as_alpha's checks would sync)
+    else:
+        a = as_alpha(alpha, k).to(counts.device)
     obs = observed.long()
     # Gather the M needed columns before converting (rows of C^T: a contiguous (M, K_latent)
     # result), and sum integer counts as integers: O(K_latent * M) float64 work instead of
@@ -84,16 +88,27 @@ def gibbs_posterior(probs: Tensor, observed: Tensor, z_old: Tensor, counts: Tens
         raise ValueError(f"gamma must be > 0, got {gamma}")
     k = counts.shape[1]
     if m:
+        # range checks read two values: cheap on host tensors; on an accelerator they would
+        # stall the stream, so the labeler passes observed and z_old from the host and they
+        # move to the device only after the check
         lo, hi = (int(v) for v in torch.aminmax(observed))
         if lo < 0 or hi >= k:
             raise ValueError(f"observed labels must lie in [0, {k}), got range [{lo}, {hi}]")
         lo, hi = (int(v) for v in torch.aminmax(z_old))
         if lo < 0 or hi >= k_latent:
             raise ValueError(f"z_old must lie in [0, {k_latent}), got range [{lo}, {hi}]")
+    dev = probs.device
+    if counts.device != dev:
+        raise ValueError(f"probs are on {dev} but counts on {counts.device}; keep the "
+                         "replica of C on the device the classifier runs on")
+    observed = observed.to(dev, non_blocking=True)
+    z_old = z_old.to(dev, non_blocking=True)
+    if counted is not None:
+        counted = counted.to(dev, non_blocking=True)
     if phi is not None:
         if phi.shape != counts.shape:
             raise ValueError(f"phi must have shape {tuple(counts.shape)}, got {tuple(phi.shape)}")
-        cond = phi.T[observed.long()].to(torch.float64)               # (M, K_latent), fresh
+        cond = phi.to(dev).T[observed.long()].to(torch.float64)       # (M, K_latent), fresh
     else:
         cond = conditional_transition(observed, z_old, counts, alpha, counted=counted)
     # in place on fresh tensors (copy=True: never write into the caller's probs)

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from pipeline.config import RunConfig
 from pipeline.confusion_store import ConfusionStore
+from pipeline.fastpath import configure_backends, wrap_model
 from pipeline.labels import LabelView, holdout_split
 from pipeline.lccn import GibbsLabeler
 from pipeline.loop import evaluate, predict, train_one_epoch
@@ -64,6 +65,11 @@ class TensorData:
         return TensorData(self.images[torch.from_numpy(rows)], self.labels.take(rows),
                           augment=self.augment)
 
+    def to(self, device: str | torch.device) -> "TensorData":
+        """The same split with its images on ``device`` (labels stay on the host, where the
+        store and the sampler's range checks read them); augmentation then runs there."""
+        return TensorData(self.images.to(device), self.labels, augment=self.augment)
+
     def noisy(self) -> "TensorData":
         """The same images scored against their *observed* labels (a noisy validation
         split: what a user without clean labels can measure)."""
@@ -78,7 +84,7 @@ class TensorData:
         order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
         for s in range(0, n, batch_size):
             idx = order[s:s + batch_size]
-            images = self.images[idx]
+            images = self.images[idx.to(self.images.device, non_blocking=True)]
             if generator is not None and self.augment is not None:
                 images = self.augment(images, generator)
             yield Batch(images, self.observed[idx], idx, self.clean[idx],
@@ -131,14 +137,22 @@ class LocalTrainer:
                                                       seed=cfg.seed)
             self.val = train.take(val_rows).noisy()
             train = train.take(self.train_rows)
+        configure_backends(cfg.perf, device)
+        if cfg.perf.enabled("data_on_device", device) and torch.device(device).type != "cpu":
+            train, test = train.to(device), test.to(device)
+            self.val = self.val.to(device) if self.val is not None else None
         self.cfg, self.train, self.test, self.device = cfg, train, test, device
         self.num_classes = k
         self.k_latent = k + 1 if (cfg.method == "lccn" and cfg.lccn.outlier) else k
         self.model = build_model(cfg.model.name, self.k_latent, in_channels=cfg.model.in_channels,
                                  seed=cfg.seed).to(device)
+        # what the step calls (autocast, channels-last, compile); self.model holds the weights
+        self.forward = wrap_model(self.model, cfg.perf, device)
         o = cfg.optim
+        # the fused CUDA kernel: one launch for all parameters, the same update
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=o.lr, momentum=o.momentum,
-                                         weight_decay=o.weight_decay)
+                                         weight_decay=o.weight_decay,
+                                         fused=torch.device(device).type == "cuda" or None)
         self.scheduler = torch.optim.lr_scheduler.MultiStepLR(
             self.optimizer, milestones=list(o.milestones), gamma=o.lr_decay)
         self.gen = torch.Generator().manual_seed(cfg.seed)
@@ -152,7 +166,7 @@ class LocalTrainer:
     def _start_lccn(self) -> dict[str, float]:
         """Algorithm 3 lines 2-3: phi_init and C from the pretrained classifier."""
         lc = self.cfg.lccn
-        probs, idx, _ = predict(self.model, self.train.batches(512), device=self.device)
+        probs, idx, _ = predict(self.forward, self.train.batches(512), device=self.device)
         order = torch.argsort(idx)
         probs = probs[order]
         observed = self.train.observed
@@ -169,7 +183,7 @@ class LocalTrainer:
         self.labeler = GibbsLabeler(
             lc, self.store, self.store.counts, self.store.version, phi_init=phi_init,
             max_steps=(o.epochs - o.pretrain_epochs) * steps_per_epoch, generator=self.gen,
-            trusted=self.trusted, clean=self.train.clean)
+            trusted=self.trusted, clean=self.train.clean, device=self.device)
         self.phi_init = phi_init
         self.monitor.start(self._val_top1())
         return {"init_transition_error": transition_error(phi_init, self.train.labels.transition)}
@@ -177,7 +191,7 @@ class LocalTrainer:
     def _val_top1(self) -> float:
         if self.val is None:
             return float("nan")
-        return evaluate(self.model, self.val.batches(512), num_classes=self.num_classes,
+        return evaluate(self.forward, self.val.batches(512), num_classes=self.num_classes,
                         device=self.device)["top1"]
 
     def health(self) -> dict[str, float]:
@@ -200,11 +214,11 @@ class LocalTrainer:
             labeler = self.labeler if epoch >= o.pretrain_epochs else None
             t0 = time.perf_counter()
             stats = train_one_epoch(
-                self.model, self.train.batches(o.batch_size, generator=self.gen),
+                self.forward, self.train.batches(o.batch_size, generator=self.gen),
                 self.optimizer, labeler=labeler, trusted=self.trusted, xi=self.cfg.lccn.xi,
                 device=self.device, num_classes=self.num_classes)
             self.scheduler.step()
-            ev = evaluate(self.model, self.test.batches(512), num_classes=self.num_classes,
+            ev = evaluate(self.forward, self.test.batches(512), num_classes=self.num_classes,
                           device=self.device)
             row = {"epoch": float(epoch), "phase": 1.0 if labeler is not None else 0.0,
                    "lr": float(self.optimizer.param_groups[0]["lr"]), **stats,

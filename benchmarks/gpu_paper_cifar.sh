@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The paper's CIFAR-10 schedule on one GPU: CE and LCCN (library defaults) at asymmetric 0.5
+# and symmetric 0.5, PreAct ResNet-32 on all 50,000 training JPEGs (5% held out as the noisy
+# validation split), batch 128, SGD lr 0.5 / 0.1 / 0.01 split at 1/3 and 2/3 of the run, the
+# first third CE pre-training, wd 5e-4, seed 0. The four runs share the GPU (one process each).
+#
+#   bash benchmarks/gpu_paper_cifar.sh DATA_DIR OUT_DIR [EPOCHS]
+#
+# DATA_DIR holds cifar10-jpeg.tar.gz. EPOCHS defaults to the paper's 120; a shorter run scales
+# the milestones, the pre-training and the warm-up (20,000 steps at 120 epochs) with it.
+# Per-epoch lines go to OUT_DIR/<setting>-<method>.log, results to OUT_DIR/*.json.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+data=${1:?DATA_DIR}; out=${2:?OUT_DIR}; epochs=${3:-120}
+PY=${PYTHON:-python3}
+mkdir -p "$out"
+p=$((epochs / 3)); m2=$((2 * epochs / 3)); warm=$((20000 * epochs / 120))
+echo "paper CIFAR-10 schedule: $epochs epochs ($p CE), milestones $p $m2, warm-up $warm steps"
+pids=()
+for s in asym0.5 sym0.5; do
+  for m in ce lccn; do
+    PYTHONUNBUFFERED=1 "$PY" benchmarks/bench_cifar.py --device cuda --data "$data" \
+      --settings "$s" --seeds 0 --train-size 50000 --model preact_resnet32 --threads 2 \
+      --epochs "$epochs" --pretrain-epochs "$p" --milestones "$p" "$m2" \
+      --lr 0.5 --lr-values 0.5 0.1 0.01 --warmup-steps "$warm" --methods "$m" \
+      --tag="-gpu-$m" --out "$out" > "$out/$s-$m.log" 2>&1 &
+    pids+=($!)
+  done
+done
+rc=0
+for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
+exit $rc
