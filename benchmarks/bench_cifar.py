@@ -376,7 +376,8 @@ def markdown_report(results: list[dict]) -> str:
         lc = s.get("lccn")
         f = lambda v: f"{100 * v['final_test']:.2f} / {100 * v['selected_test']:.2f}"  # noqa: E731
         lines.append(
-            f"| {r['setting']} | {r['seed']} | {r['realised_noise_rate']:.3f} | {f(s['ce'])} | "
+            f"| {r['setting']} | {r['seed']} | {r['realised_noise_rate']:.3f} | "
+            f"{f(s['ce']) if 'ce' in s else '-'} | "
             f"{f(lc) if lc else '-'} | {lc['transition_error'] if lc else float('nan'):.4f} | "
             f"{lc['label_recovery'] if lc else float('nan'):.3f} | "
             f"{len(r['methods']['lccn']['collapse_epochs']) if lc else '-'} | "

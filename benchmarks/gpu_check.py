@@ -120,7 +120,8 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def cifar_epochs(train, test, method: str, epochs: int, perf, device: str) -> list[dict]:
+def cifar_epochs(train, test, method: str, epochs: int, perf, device: str, *,
+                 pretrain: int = 1, warmup_steps: int = 391, on_row=None) -> list[dict]:
     import torch
 
     from pipeline.config import LCCNConfig, ModelConfig, OptimConfig, RunConfig
@@ -128,8 +129,9 @@ def cifar_epochs(train, test, method: str, epochs: int, perf, device: str) -> li
 
     cfg = RunConfig(method=method, seed=0, model=ModelConfig("preact_resnet32"),
                     val_fraction=0.0, perf=perf, check_invariants=False,
-                    optim=OptimConfig(epochs=epochs, pretrain_epochs=1, batch_size=128, lr=0.1),
-                    lccn=LCCNConfig(warmup_steps=391))
+                    optim=OptimConfig(epochs=epochs, pretrain_epochs=pretrain, batch_size=128,
+                                      lr=0.1),
+                    lccn=LCCNConfig(warmup_steps=warmup_steps))
     _reset_peak(device)
     trainer = LocalTrainer(cfg, train, test, device=device)
     rows = []
@@ -137,6 +139,8 @@ def cifar_epochs(train, test, method: str, epochs: int, perf, device: str) -> li
     def show(e: int, r: dict) -> None:
         r = dict(r, peak_mem_gib=_peak(device))
         rows.append(r)
+        if on_row is not None:
+            on_row(rows)
         log(f"  resnet32 {method:4s} epoch {e + 1}/{epochs} phase {int(r['phase'])}: "
             f"{r['epoch_time']:.2f} s/epoch, {1e3 * r['step_time']:.2f} ms/step, sampler "
             f"{1e3 * r['sampler_time']:.3f} ms, sync {1e3 * r['sync_time']:.3f} ms, test "
@@ -289,6 +293,10 @@ def main() -> None:
     p.add_argument("--workers", type=int, nargs="+", default=[4, 8, 14])
     p.add_argument("--no-shards", action="store_true")
     p.add_argument("--compile", action="store_true", help="also time torch.compile")
+    p.add_argument("--compile-mode", default=None,
+                   choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
+                   help="run part 1 only, compiled (PerfConfig.compile), as one LCCN run of "
+                        "--epochs epochs whose first half is CE")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cpu: run every part on the CPU at --tiny sizes (tests the script)")
     p.add_argument("--tiny", action="store_true", help="small sizes (CPU smoke run)")
@@ -322,6 +330,17 @@ def main() -> None:
                          else cifar_data(None, n_train=640, n_test=200))
     res["cifar_data"] = what
     log(f"[1] CIFAR-10 PreAct ResNet-32 on {what}, {len(train)} train / {len(test)} test")
+    if args.compile_mode is not None:
+        cperf = replace(perf, compile=args.compile_mode)
+        res["compile_mode"] = args.compile_mode
+        res["resnet32_lccn_compiled"] = cifar_epochs(
+            train, test, "lccn", args.epochs, cperf, dev, pretrain=args.epochs // 2,
+            warmup_steps=50, on_row=lambda rows: _save(dict(res, resnet32_lccn_compiled=rows),
+                                                       args))
+        res["wall_s"] = time.perf_counter() - t_all
+        _save(res, args)
+        log(f"done in {res['wall_s']:.0f} s")
+        return
     res["resnet32_ce"] = cifar_epochs(train, test, "ce", args.epochs, perf, dev)
     res["resnet32_lccn"] = cifar_epochs(train, test, "lccn", args.epochs, perf, dev)
     if args.compile:
@@ -388,6 +407,22 @@ def report(res: dict) -> str:
              f"torch {res['torch']}, CUDA {res['cuda']}, {res['sm']} SMs, "
              f"{res['gpu_mem_gib']:.0f} GiB, {res['cpus']} CPUs. Command: "
              f"`bash benchmarks/gpu_check.sh {' '.join(res['argv'])}`.", ""]
+    comp = res.get("resnet32_lccn_compiled")
+    if comp:
+        lines += [f"## CIFAR-10 PreAct ResNet-32 with torch.compile(mode={res['compile_mode']!r}) "
+                  f"({res['cifar_data']}, batch 128, 391 steps + 10,000-image test pass; one "
+                  "LCCN run, its first half CE; the first epoch of each phase compiles)", "",
+                  "| phase | epoch | epoch time (s) | step (ms) | sampler (ms) | store sync (ms) "
+                  "| peak GPU memory (GiB) |", "|---|---|---|---|---|---|---|"]
+        for r in comp:
+            lines.append(f"| {'LCCN' if r['phase'] else 'CE'} | {int(r['epoch']) + 1} | "
+                         f"{r['epoch_time']:.2f} | {1e3 * r['step_time']:.2f} | "
+                         f"{1e3 * r['sampler_time']:.3f} | {1e3 * r['sync_time']:.3f} | "
+                         f"{r['peak_mem_gib']:.2f} |")
+        ce_c, lc_c = _last(comp, 0), _last(comp, 1)
+        if ce_c is not None and lc_c is not None:
+            lines += ["", f"LCCN step / CE step (last epoch of each phase): "
+                      f"**{lc_c['step_time'] / ce_c['step_time']:.3f}**."]
     ce, lc = res.get("resnet32_ce"), res.get("resnet32_lccn")
     if ce and lc:
         ce_last, lc_last = ce[-1], _last(lc, 1)

@@ -27,7 +27,7 @@ from torch import Tensor
 from pipeline.config import LCCNConfig
 from pipeline.confusion import as_alpha
 from pipeline.confusion_store import Sync
-from pipeline.sampler import anneal_gamma, gibbs_posterior, sample_categorical
+from pipeline.sampler import anneal_gamma, gibbs_draw, gibbs_posterior, sample_categorical
 
 
 class Store(Protocol):
@@ -70,7 +70,8 @@ class GibbsLabeler:
     def __init__(self, cfg: LCCNConfig, store: Store, counts: Tensor, version: int, *,
                  phi_init: Tensor, max_steps: int, generator: torch.Generator,
                  trusted: Tensor | None = None, clean: Tensor | None = None,
-                 worker: str = "0", device: torch.device | str | None = None) -> None:
+                 worker: str = "0", device: torch.device | str | None = None,
+                 compile_mode: str = "off") -> None:
         self.cfg, self.store = cfg, store
         dev = torch.device(device) if device is not None else counts.device
         self.device = dev
@@ -87,6 +88,14 @@ class GibbsLabeler:
             device_gen.manual_seed(generator.initial_seed())
             generator = device_gen
         self.generator = generator
+        # compile_mode != "off": the device core of the step (pipeline.sampler.gibbs_draw)
+        # runs through torch.compile (one CUDA graph with "reduce-overhead") for batches
+        # without trusted samples; eager on any compiler failure
+        self._draw = None
+        self._draw_failed: str | None = None
+        if compile_mode != "off" and hasattr(torch, "compile"):
+            self._draw = torch.compile(gibbs_draw, mode=None if compile_mode == "default"
+                                       else compile_mode)
         self.trusted = trusted if cfg.use_trusted else None
         self.clean = clean
         self.worker = worker
@@ -152,6 +161,12 @@ class GibbsLabeler:
         gamma = self.gamma()
         # gibbs_step, with the posterior kept: the same draws from the same generator
         dev = self.device
+        if counted is None and self._draw is not None and self._draw_failed is None:
+            fast = self._sample_compiled(probs, observed, z_old, gamma, warm)
+            if fast is not None:
+                z_new, post, changed = fast
+                return z_new, SampleStats(gamma, warm, self._staleness, changed, waited, post,
+                                          self.ramp())
         # host tensors (observed, z_old, counted) are range-checked where they are and then
         # copied; probs stay where the model put them when that is the replica's device
         post = gibbs_posterior(probs.detach().to(dev), observed.cpu(), z_old, self.counts,
@@ -172,6 +187,34 @@ class GibbsLabeler:
                 changed = float(changed)
         return z_new, SampleStats(gamma, warm, self._staleness, changed, waited, post,
                                   self.ramp())
+
+    def _sample_compiled(self, probs: Tensor, observed: Tensor, z_old: Tensor, gamma: float,
+                         warm: bool) -> tuple[Tensor, Tensor, float | Tensor] | None:
+        """The compiled device core (same law and, up to float reassociation, the same
+        draws as the eager path); None after a compiler failure (warned once)."""
+        dev = self.device
+        observed = observed.cpu()
+        m = observed.shape[0]
+        if m:  # the range checks, on the host copies
+            for name, t, hi in (("observed labels", observed, self.num_classes),
+                                ("z_old", z_old, self.k_latent)):
+                lo_v, hi_v = (int(v) for v in torch.aminmax(t))
+                if lo_v < 0 or hi_v >= hi:
+                    raise ValueError(f"{name} must lie in [0, {hi}), got range [{lo_v}, {hi_v}]")
+        u = torch.rand(m, 1, generator=self.generator, dtype=torch.float64, device=dev)
+        g = torch.full((), gamma, dtype=torch.float64, device=dev)
+        try:
+            post, z_new, changed = self._draw(
+                probs.detach().to(dev), observed.to(dev, non_blocking=True),
+                z_old.to(dev, non_blocking=True), self.counts, self.alpha, g, u,
+                self.phi_init if warm else None)
+        except Exception as exc:  # the compiler stack raises many types
+            import warnings
+            self._draw_failed = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            warnings.warn(f"compiled Gibbs step failed, running eagerly: {self._draw_failed}",
+                          RuntimeWarning, stacklevel=3)
+            return None
+        return z_new, post, (float(changed) if dev.type == "cpu" else changed)
 
     def commit(self, idx: Tensor, z_new: Tensor, next_idx: Tensor | None) -> None:
         """Send the batch's labels and ask for ``z`` of ``next_idx``; does not wait for the

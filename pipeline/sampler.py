@@ -118,6 +118,31 @@ def gibbs_posterior(probs: Tensor, observed: Tensor, z_old: Tensor, counts: Tens
     return torch.softmax(logp, dim=1)
 
 
+def gibbs_draw(probs: Tensor, observed: Tensor, z_old: Tensor, counts: Tensor, alpha: Tensor,
+               gamma: Tensor, u: Tensor, phi: Tensor | None = None
+               ) -> tuple[Tensor, Tensor, Tensor]:
+    """The device core of one Gibbs step, with no host read and no data-dependent branch
+    (what ``torch.compile`` captures whole, e.g. into one CUDA graph).
+
+    The same arithmetic as :func:`gibbs_posterior` followed by :func:`sample_categorical`
+    with the uniforms ``u (M, 1)`` float64 drawn by the caller, every sample counted in C;
+    ``gamma`` is a 0-d float64 tensor (multiplying by 1.0 is exact, so no branch is
+    needed); ``alpha`` a ``(K,)`` float64 tensor on the device. Inputs must already be
+    range-checked (the labeler checks them on the host). Returns the posterior
+    ``(M, K_latent)``, ``z_new (M,)`` and the fraction of ``z`` that moved (0-d float32).
+    """
+    if phi is not None:
+        cond = phi.T[observed].to(torch.float64)
+    else:
+        cond = conditional_transition(observed, z_old, counts, alpha)
+    logp = (probs.to(torch.float64).clamp_min(1e-30).log() + cond.log()) * gamma
+    post = torch.softmax(logp, dim=1)
+    cdf = post.cumsum(1)
+    z_new = torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(1).clamp_max(post.shape[1] - 1)
+    changed = (z_new != z_old).to(torch.float32).mean()
+    return post, z_new, changed
+
+
 def sample_categorical(p: Tensor, *, generator: torch.Generator) -> Tensor:
     """One draw per row of ``p (M, K)`` (rows sum to 1) by inverse CDF; returns (M,) int64."""
     u = torch.rand(p.shape[0], 1, generator=generator, dtype=p.dtype, device=p.device)

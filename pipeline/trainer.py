@@ -183,7 +183,8 @@ class LocalTrainer:
         self.labeler = GibbsLabeler(
             lc, self.store, self.store.counts, self.store.version, phi_init=phi_init,
             max_steps=(o.epochs - o.pretrain_epochs) * steps_per_epoch, generator=self.gen,
-            trusted=self.trusted, clean=self.train.clean, device=self.device)
+            trusted=self.trusted, clean=self.train.clean, device=self.device,
+            compile_mode=self.cfg.perf.compile)
         self.phi_init = phi_init
         self.monitor.start(self._val_top1())
         return {"init_transition_error": transition_error(phi_init, self.train.labels.transition)}

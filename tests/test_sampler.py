@@ -130,3 +130,54 @@ def test_bad_input_is_named(bad, match):
     with pytest.raises(ValueError, match=match):
         gibbs_step(args["probs"], args["observed"], args["z_old"], args["counts"], args["alpha"],
                    gamma=args["gamma"], generator=gen)
+
+
+# -- the device core (gibbs_draw): what a GPU worker runs, compiled or not ------------------
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.6])
+@pytest.mark.parametrize("warm", [False, True])
+def test_device_core_is_the_eager_step(gamma, warm):
+    """gibbs_draw with the uniforms sample_categorical would draw gives the loop oracle's
+    posterior and the eager path's labels, for the counts and the warm-up phi alike."""
+    from pipeline.confusion import as_alpha
+    from pipeline.sampler import gibbs_draw
+
+    gen = torch.Generator().manual_seed(4)
+    probs, observed, z_old, counts = random_state(gen, m=64, k=5)
+    phi = torch.softmax(torch.randn(5, 5, generator=gen, dtype=torch.float64), 1) if warm else None
+    u = torch.rand(64, 1, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    post, z, changed = gibbs_draw(probs, observed, z_old, counts, as_alpha(1.0, 5),
+                                  torch.tensor(gamma, dtype=torch.float64), u, phi)
+    ref = gibbs_posterior(probs, observed, z_old, counts, 1.0, gamma=gamma, phi=phi)
+    if not warm:
+        torch.testing.assert_close(post, oracle_posterior(probs, observed, z_old, counts, 1.0,
+                                                          gamma=gamma), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(post, ref, rtol=1e-12, atol=1e-14)
+    want = sample_categorical(ref, generator=torch.Generator().manual_seed(9))
+    assert torch.equal(z, want)
+    assert float(changed) == pytest.approx(float((want != z_old).float().mean()))
+
+
+def test_compiled_device_core_draws_from_eq7():
+    """torch.compile(gibbs_draw), as a GPU worker runs it with PerfConfig.compile (here on
+    the CPU): the empirical law of its draws matches the loop oracle within 5 standard
+    errors per cell."""
+    from pipeline.confusion import as_alpha
+    from pipeline.sampler import gibbs_draw
+
+    gen = torch.Generator().manual_seed(2)
+    probs, observed, z_old, counts = random_state(gen, m=4, k=4)
+    p = oracle_posterior(probs, observed, z_old, counts, 1.0)
+    reps = 40_000
+    u = torch.rand(4 * reps, 1, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    draw = torch.compile(gibbs_draw)
+    post, z, _ = draw(probs.repeat(reps, 1), observed.repeat(reps), z_old.repeat(reps), counts,
+                      as_alpha(1.0, 4), torch.tensor(1.0, dtype=torch.float64), u)
+    torch.testing.assert_close(post[:4], p, rtol=1e-9, atol=1e-12)
+    freq = torch.zeros_like(p)
+    freq.index_put_((torch.arange(4).repeat(reps), z), torch.ones(z.numel(), dtype=torch.float64),
+                    accumulate=True)
+    freq /= reps
+    se = torch.sqrt(p * (1 - p) / reps)
+    assert ((freq - p).abs() <= 5 * se + 1e-4).all(), (freq, p)
