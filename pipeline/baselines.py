@@ -211,7 +211,7 @@ class SAdaptation(nn.Module):
     trained by back-propagating the noisy-label cross-entropy through both the network
     and ``W``. ``W`` starts at ``log(T0 + eps)`` so ``softmax(W) ≈ T0`` (the authors
     initialise ``T0`` from the pretrained network's confusion against the noisy labels,
-    ``eps = 1e-8``, and train with Adam). At test time the classifier's own
+    ``eps = 1e-8``). At test time the classifier's own
     ``softmax(logits)`` is the prediction.
 
     init_transition: (K, K), rows sum to 1 (:func:`check_transition` is applied).

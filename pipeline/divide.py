@@ -24,7 +24,6 @@ Randomness comes only from the explicit ``seed`` / ``torch.Generator`` arguments
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass
 from typing import Sequence
@@ -441,7 +440,7 @@ def _column(w: Tensor, m: int, name: str) -> Tensor:
     w = torch.as_tensor(w)
     if w.shape not in ((m,), (m, 1)):
         raise ValueError(f"{name} must be ({m},) or ({m}, 1), got {tuple(w.shape)}")
-    if w.numel() and (float(w.min()) < 0 or float(w.max()) > 1 or math.isnan(float(w.sum()))):
+    if w.numel() and (bool(torch.isnan(w).any()) or float(w.min()) < 0 or float(w.max()) > 1):
         raise ValueError(f"{name} must lie in [0, 1], got range [{float(w.min())}, "
                          f"{float(w.max())}]")
     return w.reshape(m, 1)
