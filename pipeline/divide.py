@@ -135,8 +135,8 @@ def co_divide(losses: Tensor, *, p_threshold: float = 0.5, seed: int = 0,
         already normalised vector such as :func:`average_loss_history`'s.
     observed, fit_size, num_classes: fit the mixture on a class-balanced subset of
         ``fit_size`` samples (:func:`balanced_subset` over the noisy labels ``observed``)
-        and predict on all N: the Clothing1M-scale route, where fitting on a million
-        losses buys nothing over 32k.
+        and predict on all N (normalised over all N): the Clothing1M-scale route, where
+        fitting on a million losses buys nothing over 32k.
     seed: the mixture's ``random_state`` and the subset's draw; equal inputs and seed give
         equal outputs on every worker.
     max_iter, tol, reg_covar: ``sklearn.mixture.GaussianMixture`` settings (DivideMix's).
