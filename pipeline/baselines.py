@@ -221,9 +221,8 @@ class SAdaptation(nn.Module):
         super().__init__()
         if not eps > 0:
             raise ValueError(f"eps must be > 0, got {eps}")
-        t = torch.as_tensor(init_transition)
-        k = t.shape[0] if t.ndim == 2 else -1
-        t0 = check_transition(t, k, source="S-adaptation initial transition")
+        t0 = check_transition(init_transition, _square(init_transition, "S-adaptation"),
+                              source="S-adaptation initial transition")
         self.weight = nn.Parameter(torch.log(t0 + eps).to(torch.float32))
 
     @property
@@ -312,9 +311,8 @@ class TRevisionSlack(nn.Module):
 
     def __init__(self, T_hat: Tensor) -> None:
         super().__init__()
-        t = torch.as_tensor(T_hat)
-        k = t.shape[0] if t.ndim == 2 else -1
-        self.register_buffer("T_hat", check_transition(t, k, source="T-Revision T_hat")
+        k = _square(T_hat, "T-Revision T_hat")
+        self.register_buffer("T_hat", check_transition(T_hat, k, source="T-Revision T_hat")
                              .to(torch.float32))
         self.delta = nn.Parameter(torch.zeros(k, k))
 
@@ -331,6 +329,13 @@ class TRevisionSlack(nn.Module):
 
 
 # --------------------------------------------------------------------------------------
+
+
+def _square(T, name: str) -> int:
+    shape = tuple(np.shape(T))
+    if len(shape) != 2 or shape[0] != shape[1]:
+        raise ValueError(f"{name}: the transition must be a square (K, K) matrix, got {shape}")
+    return shape[0]
 
 
 def _check_logits_target(logits: Tensor, target: Tensor) -> None:

@@ -209,6 +209,10 @@ def test_s_adaptation_is_row_stochastic_and_learns():
 def test_s_adaptation_refuses_bad_input():
     with pytest.raises(ValueError, match="row 1 sums to"):
         SAdaptation(torch.tensor([[1.0, 0.0], [0.5, 0.4]]))
+    with pytest.raises(ValueError, match=r"square \(K, K\) matrix, got \(2, 3\)"):
+        SAdaptation(torch.ones(2, 3) / 3)
+    with pytest.raises(ValueError, match="T_hat: the transition must be a square"):
+        TRevisionSlack(torch.ones(3) / 3)
     with pytest.raises(ValueError, match=r"logits must be \(M, 2\)"):
         SAdaptation(torch.eye(2))(torch.zeros(1, 3))
 
