@@ -301,8 +301,8 @@ def _read_url(url: str, *, cfg: LoaderConfig) -> bytes:
     if url.startswith("s3://"):
         try:
             return s3.read_bytes(url, s3=_s3_client(cfg), retry=s3.Retry(cfg.s3_retries))
-        except (s3.S3Error, ValueError) as e:
-            raise ManifestError(f"cannot read {url}: {e}") from e
+        except (s3.S3Error, ValueError) as e:  # the message names the URL
+            raise ManifestError(str(e)) from e
     try:
         with urllib.request.urlopen(url, timeout=cfg.http_timeout_s) as r:
             return r.read()

@@ -114,6 +114,13 @@ def is_transient(e: BaseException) -> bool:
     return isinstance(e, (OSError, _ShortRead)) or type(e).__module__.startswith("urllib3")
 
 
+def _from_the_store(e: BaseException) -> bool:
+    """An error of the request (botocore's), as opposed to a bug in the caller."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    return isinstance(e, (BotoCoreError, ClientError))
+
+
 def _permanent_botocore() -> tuple[type, ...]:
     from botocore.exceptions import NoCredentialsError, NoRegionError, ParamValidationError
 
@@ -161,7 +168,9 @@ def _call(url: str, fn: Callable[[], Any], *, retry: Retry, what: str,
             return fn()
         except Exception as e:  # noqa: BLE001 -- classified below
             if not is_transient(e):
-                raise S3Error(_describe(url, e)) from e
+                if _from_the_store(e):
+                    raise S3Error(_describe(url, e)) from e
+                raise
             attempt += 1
             if attempt > retry.retries:
                 raise S3Error(f"{url}: {what} failed after {retry.retries} retries "
@@ -251,7 +260,9 @@ class ObjectReader:
                 return data
             except Exception as e:  # noqa: BLE001 -- classified below
                 if not is_transient(e):
-                    raise S3Error(_describe(self.url, e)) from e
+                    if _from_the_store(e):
+                        raise S3Error(_describe(self.url, e)) from e
+                    raise
                 if self.retries >= self._retry.retries:
                     raise S3Error(f"{self.url}: read failed at byte {self.offset} of {self.size} "
                                   f"after {self._retry.retries} retries ({type(e).__name__}: {e})"

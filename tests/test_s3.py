@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -287,3 +288,17 @@ def test_config_and_library_errors_are_clear(monkeypatch):
     monkeypatch.setitem(sys.modules, "boto3", None)  # as if boto3 were not installed
     with pytest.raises(ImportError, match=r"reading s3:// sources needs boto3.*lccn-pipeline\[s3\]"):
         s3.client(endpoint_url="http://127.0.0.1:1", timeout_s=1.5)
+
+
+def test_job_flag_sets_the_endpoint_of_the_run(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "jobs"))
+    import cifar_lccn
+    import common
+
+    args = cifar_lccn.get_args_parser().parse_args(
+        ["--train-shards", "s3://lccn/cifar10/train", "--s3-endpoint-url", "http://127.0.0.1:9000",
+         "--run-dir", str(tmp_path)])
+    dist = common.dist_config(args, run_name="r", train=args.train_shards, test=None,
+                              class_names=[], transform="cifar")
+    assert dist.s3_endpoint_url == "http://127.0.0.1:9000"
+    assert dist.train_source == "s3://lccn/cifar10/train"
