@@ -302,3 +302,21 @@ def test_job_flag_sets_the_endpoint_of_the_run(tmp_path):
                               class_names=[], transform="cifar")
     assert dist.s3_endpoint_url == "http://127.0.0.1:9000"
     assert dist.train_source == "s3://lccn/cifar10/train"
+
+
+def test_upload_command_puts_the_shards_then_the_manifest(tmp_path, cifar_images, moto_url, capsys):
+    write_split(tmp_path / "train", UNEVEN, cifar_images)
+    c = s3.client(endpoint_url=moto_url)
+    c.create_bucket(Bucket="lccn-upload")
+    assert s3.main(["upload", str(tmp_path / "train"), "s3://lccn-upload/c10/train/",
+                    "--endpoint-url", moto_url]) == 0
+    assert f"uploaded {len(UNEVEN) + 1} objects" in capsys.readouterr().out
+    listed = c.list_objects_v2(Bucket="lccn-upload", Prefix="c10/train/")["Contents"]
+    names = sorted(o["Key"].rsplit("/", 1)[1] for o in listed)
+    assert names == sorted([f"train-{i:06d}.tar" for i in range(len(UNEVEN))] + ["manifest.json"])
+    body = c.get_object(Bucket="lccn-upload", Key="c10/train/train-000002.tar")["Body"].read()
+    assert body == (tmp_path / "train" / "train-000002.tar").read_bytes()
+    (tmp_path / "train" / "train-000002.tar").write_bytes(b"short")  # no longer its manifest's
+    with pytest.raises(ManifestError, match=r"train-000002\.tar: size 5 != manifest"):
+        s3.main(["upload", str(tmp_path / "train"), "s3://lccn-upload/c10/again",
+                 "--endpoint-url", moto_url])
