@@ -141,6 +141,9 @@ def _describe(url: str, e: BaseException) -> str:
     if isinstance(e, ClientError) and status == 403:
         return (f"{url}: access denied ({code}); check the credentials (AWS_PROFILE, "
                 "AWS_ACCESS_KEY_ID, the instance profile) and the bucket policy")
+    if isinstance(e, ClientError) and status == 412:
+        return (f"{url}: the object changed while it was being read (its ETag no longer "
+                "matches); re-upload the split with its manifest")
     if isinstance(e, NoCredentialsError):
         return (f"{url}: no AWS credentials found (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
                 "AWS_PROFILE, or run where an instance profile / service account provides them)")

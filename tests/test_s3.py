@@ -320,3 +320,19 @@ def test_upload_command_puts_the_shards_then_the_manifest(tmp_path, cifar_images
     with pytest.raises(ManifestError, match=r"train-000002\.tar: size 5 != manifest"):
         s3.main(["upload", str(tmp_path / "train"), "s3://lccn-upload/c10/again",
                  "--endpoint-url", moto_url])
+
+
+def test_an_object_replaced_mid_read_is_not_spliced(moto_url, proxy_factory):
+    c = s3.client(endpoint_url=moto_url)
+    c.create_bucket(Bucket="lccn-changed")
+    old = bytes(range(256)) * 400  # 102,400 bytes
+    c.put_object(Bucket="lccn-changed", Key="s/x.tar", Body=old)
+    proxy = proxy_factory(cuts={b"GET /lccn-changed/s/x.tar ": (1, 30_000)})
+    reader = s3.ObjectReader("s3://lccn-changed/s/x.tar", s3=s3.client(endpoint_url=proxy.url),
+                             retry=s3.Retry(3, backoff_s=0.01))
+    assert reader.read(1000) == old[:1000]
+    c.put_object(Bucket="lccn-changed", Key="s/x.tar", Body=b"y" * len(old))  # same size, new bytes
+    with pytest.raises(s3.S3Error, match=r"s3://lccn-changed/s/x\.tar: the object changed while"):
+        while reader.read(4096):
+            pass
+    assert reader.retries == 1 and 1000 <= reader.offset < len(old)
