@@ -136,6 +136,9 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
     g.add_argument("--verify-checksums", action=argparse.BooleanOptionalAction, default=True,
                    help="check every shard's sha256 against its manifest before reading it "
                         "(once per shard and process; default on)")
+    g.add_argument("--s3-endpoint-url", default=None,
+                   help="endpoint of an S3-compatible store (MinIO, Ceph, R2...) for s3:// "
+                        "shards (default $AWS_ENDPOINT_URL_S3 / $AWS_ENDPOINT_URL, else AWS)")
     g.add_argument("--inject-failure", default="", help=argparse.SUPPRESS)  # tests only
 
     m = p.add_argument_group(f"method and recipe (defaults: the paper's {preset.name} recipe)")
@@ -236,7 +239,7 @@ def dist_config(args: argparse.Namespace, *, run_name: str, train: str, test: st
         checkpoint_every=args.checkpoint_every, lr_values=tuple(args.lr_values),
         pretrained=args.pretrained, tracking_uri=tracking, experiment=args.experiment,
         class_names=tuple(class_names), inject_failure=args.inject_failure,
-        verify_checksums=args.verify_checksums)
+        verify_checksums=args.verify_checksums, s3_endpoint_url=args.s3_endpoint_url)
 
 
 def _source(path_or_url: str | os.PathLike | None) -> str | None:

@@ -15,7 +15,8 @@ Stages of one epoch (what each yields)::
                          (a "slot" = (rank, worker)); fewer workers if it has fewer shards
     -- in each DataLoader worker (or in-process when num_workers == 0) ------------------
     open                 {"url", "stream"}: a local file, an HTTP response (urllib) or an
-                         s3 pipe (``cfg.s3_command``)
+                         s3 object stream (``pipeline.s3.ObjectReader``, boto3; resumes a
+                         dropped connection where it broke)
     tar reading          {"fname", "data"} per tar member (wds.tariterators); a truncated or
                          unreadable shard ends early and is counted once in ``skipped_tar``
     group by key         {"__key__", "__url__", "jpg"|"png", "json"} raw samples
@@ -55,7 +56,8 @@ Counters (``loader.stats``, per rank and pass; sum them over ranks to log): ``sa
 decoded and augmented, ``shards`` opened, ``skipped_decode``/``skipped_meta`` samples,
 ``skipped_tar`` shards cut short, ``skipped_duplicate``/``skipped_extra`` samples dropped in
 the training process, ``missing`` = n_r - samples kept, ``padded`` pad entries yielded,
-``checksum_mismatch`` streamed shards whose sha256 differs from the manifest.
+``checksum_mismatch`` streamed shards whose sha256 differs from the manifest, ``read_retries``
+retries of s3 requests and reads after a transient error (each also logged).
 
 Randomness: shard order from ``numpy.random.default_rng([seed, epoch])``; the shuffle buffer
 and the augmentations from a seed per (seed, epoch, rank, worker). Augmentations draw from
@@ -72,13 +74,14 @@ would have produced. The cost: the skipped batches are still read, decoded and a
 
 Sources: a local split directory, or a base URL ``http(s)://host/path/<split>`` (manifest at
 ``<base>/manifest.json`` read with urllib, shards streamed with urllib) or ``s3://bucket/...``
-(streamed by ``cfg.s3_command``, default ``aws s3 cp {url} -``, which needs the AWS CLI and
-credentials on every worker; the manifest is read the same way unless passed in). Checks
-before the first batch: local shards exist with the manifest's sizes and, with
-``cfg.verify_checksums`` (the default), their sha256 matches the manifest (each shard hashed
-once per process); HTTP shards answer HEAD with the manifest's size; with
-``verify_checksums`` remote shards are also hashed while they stream (a mismatch is counted
-in ``checksum_mismatch``; the samples are already used by then).
+(manifest and shards read with boto3, see ``pipeline.s3``: endpoint from
+``cfg.s3_endpoint_url`` or ``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL``, credentials from the
+standard chain, ``cfg.s3_retries`` retries per request or shard). Checks before the first
+batch: local shards exist with the manifest's sizes and, with ``cfg.verify_checksums`` (the
+default), their sha256 matches the manifest (each shard hashed once per process); HTTP
+shards answer HEAD with the manifest's size; s3 shards exist (HEAD) with the manifest's
+size; with ``verify_checksums`` remote shards are also hashed while they stream (a mismatch
+is counted in ``checksum_mismatch``; the samples are already used by then).
 """
 
 from __future__ import annotations
@@ -89,7 +92,6 @@ import json
 import logging
 import math
 import os
-import subprocess
 import tempfile
 import time
 import urllib.error
@@ -109,6 +111,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from webdataset.tariterators import group_by_keys, tar_file_expander
 
+from pipeline import s3
 from pipeline.labels import LabelView
 from pipeline.manifest import MANIFEST_NAME, Manifest, ManifestError, sample_key, sha256_file
 from pipeline.transforms import build_batch_transform, build_sample_transform, get_preset
@@ -118,7 +121,8 @@ log = logging.getLogger(__name__)
 REMOTE_PREFIXES = ("http://", "https://", "s3://")
 IMAGE_KEYS = ("jpg", "png", "jpeg")
 STAT_KEYS = ("samples", "shards", "skipped_decode", "skipped_meta", "skipped_tar",
-             "skipped_duplicate", "skipped_extra", "missing", "padded", "checksum_mismatch")
+             "skipped_duplicate", "skipped_extra", "missing", "padded", "checksum_mismatch",
+             "read_retries")
 # What PIL raises on a corrupt, truncated or hostile image.
 _DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError)
 
@@ -148,8 +152,14 @@ class LoaderConfig:
                       normalises them on the device (``pipeline.fastpath.wrap_model(...,
                       normalize=build_batch_transform(preset))``).
     ood_seed:         seed passed to the open-set pixel shuffle (fixed per idx across epochs).
-    http_timeout_s:   socket timeout of HTTP reads; http_retries: tries to open a URL.
-    s3_command:       shell command that writes ``{url}`` to stdout.
+    http_timeout_s:   socket timeout of HTTP and s3 reads; http_retries: tries to open a URL.
+    s3_endpoint_url:  endpoint of an S3-compatible store (``http(s)://host:port``); None =
+                      ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, the profile's
+                      ``endpoint_url``, else AWS. Credentials: boto3's default chain.
+    s3_retries:       retries of one s3 request after a transient error (connection
+                      dropped, timeout, 429/5xx); for a shard stream, in all over the shard,
+                      each resuming where the stream broke. Logged and counted
+                      (``read_retries``).
     multiprocessing_context: DataLoader start method (None = platform default).
     """
 
@@ -166,20 +176,24 @@ class LoaderConfig:
     ood_seed: int = 0
     http_timeout_s: float = 60.0
     http_retries: int = 3
-    s3_command: str = "aws s3 cp {url} -"
+    s3_endpoint_url: str | None = None
+    s3_retries: int = 5
     multiprocessing_context: str | None = None
 
     def __post_init__(self) -> None:
         get_preset(self.preset)  # ValueError listing the names
         for name, low in (("batch_size", 1), ("num_workers", 0), ("shuffle_buffer", 0),
-                          ("chunk_size", 1), ("prefetch_factor", 1), ("http_retries", 1)):
+                          ("chunk_size", 1), ("prefetch_factor", 1), ("http_retries", 1),
+                          ("s3_retries", 0)):
             if int(getattr(self, name)) < low:
                 raise ValueError(f"LoaderConfig.{name} must be >= {low}, got {getattr(self, name)}")
         if self.normalize_on not in ("host", "device"):
             raise ValueError(f"LoaderConfig.normalize_on must be 'host' or 'device', got "
                              f"{self.normalize_on!r}")
-        if "{url}" not in self.s3_command:
-            raise ValueError(f"LoaderConfig.s3_command must contain '{{url}}': {self.s3_command!r}")
+        if self.s3_endpoint_url is not None and not str(self.s3_endpoint_url).startswith(
+                ("http://", "https://")):
+            raise ValueError("LoaderConfig.s3_endpoint_url must be an http(s):// URL, got "
+                             f"{self.s3_endpoint_url!r}")
 
 
 class Batch(NamedTuple):
@@ -288,13 +302,16 @@ def is_remote(source: str | os.PathLike) -> bool:
     return isinstance(source, str) and source.startswith(REMOTE_PREFIXES)
 
 
+def _s3_client(cfg: LoaderConfig) -> Any:
+    return s3.client(endpoint_url=cfg.s3_endpoint_url, timeout_s=cfg.http_timeout_s)
+
+
 def _read_url(url: str, *, cfg: LoaderConfig) -> bytes:
     if url.startswith("s3://"):
-        cmd = cfg.s3_command.format(url=url)
-        proc = subprocess.run(cmd, shell=True, capture_output=True)
-        if proc.returncode != 0:
-            raise ManifestError(f"{url}: `{cmd}` failed: {proc.stderr.decode(errors='replace')[-500:]}")
-        return proc.stdout
+        try:
+            return s3.read_bytes(url, s3=_s3_client(cfg), retry=s3.Retry(cfg.s3_retries))
+        except (s3.S3Error, ValueError) as e:  # the message names the URL
+            raise ManifestError(str(e)) from e
     try:
         with urllib.request.urlopen(url, timeout=cfg.http_timeout_s) as r:
             return r.read()
@@ -331,7 +348,8 @@ def verify_source(source: str | os.PathLike, manifest: Manifest, *, cfg: LoaderC
     """Check the shards against the manifest before any batch; ``ManifestError`` names the shard.
 
     Local: existence and size (and sha256 with ``cfg.verify_checksums``). HTTP: HEAD answers
-    with the manifest's size. s3: not checked here (streamed hashes only).
+    with the manifest's size. s3: every key exists (HEAD) with the manifest's size; sha256
+    only while streaming (``checksum_mismatch``).
     """
     if not manifest.shards:
         raise ManifestError(f"{source}: the manifest lists no shards")
@@ -341,9 +359,23 @@ def verify_source(source: str | os.PathLike, manifest: Manifest, *, cfg: LoaderC
             for info in manifest.shards:
                 verify_shard_once(Path(source) / info.name, info.sha256)
         return
-    if str(source).startswith("s3://"):
-        return
     urls = manifest.urls(str(source))
+    if str(source).startswith("s3://"):
+        client, retry = _s3_client(cfg), s3.Retry(cfg.s3_retries)
+
+        def s3_size(url: str) -> int:
+            try:
+                return s3.head(url, s3=client, retry=retry)["size"]
+            except (s3.S3Error, ValueError) as e:
+                raise ManifestError(f"shard listed in the manifest of {source} is not readable: "
+                                    f"{e}") from e
+
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            s3_sizes = list(pool.map(s3_size, urls))
+        for url, size, info in zip(urls, s3_sizes, manifest.shards):
+            if size != info.bytes:
+                raise ManifestError(f"{url}: size {size} != manifest {info.bytes}")
+        return
     with ThreadPoolExecutor(max_workers=8) as pool:
         sizes = list(pool.map(partial(_head_size, cfg=cfg), urls))
     for url, size, info in zip(urls, sizes, manifest.shards):
@@ -384,17 +416,18 @@ def loader_counters(stats: dict[str, int], *, all_reduce_sum: Callable[[torch.Te
     ``data_skipped_shards`` (tars cut short or unreadable), ``data_missing`` (samples the
     plan expected that never came), ``data_padded`` (pad entries yielded in their place,
     never trained on or counted), ``data_checksum_mismatch`` (streamed remote shards whose
-    sha256 differs from the manifest).
+    sha256 differs from the manifest), ``data_read_retries`` (s3 requests and reads retried
+    after a transient error).
     """
     vals = torch.tensor([
         stats.get("skipped_decode", 0) + stats.get("skipped_meta", 0)
         + stats.get("skipped_duplicate", 0) + stats.get("skipped_extra", 0),
         stats.get("skipped_tar", 0), stats.get("missing", 0), stats.get("padded", 0),
-        stats.get("checksum_mismatch", 0)], dtype=torch.float64)
+        stats.get("checksum_mismatch", 0), stats.get("read_retries", 0)], dtype=torch.float64)
     if all_reduce_sum is not None:
         vals = all_reduce_sum(vals.to(device)).cpu()
     keys = ("data_skipped_samples", "data_skipped_shards", "data_missing", "data_padded",
-            "data_checksum_mismatch")
+            "data_checksum_mismatch", "data_read_retries")
     return dict(zip(keys, vals.tolist()))
 
 
@@ -471,9 +504,14 @@ class _SlotState:
         return out
 
 
-def _open_stream(url: str, *, cfg: LoaderConfig) -> Any:
+def _open_stream(url: str, *, cfg: LoaderConfig, state: _SlotState | None = None) -> Any:
     if url.startswith("s3://"):
-        return wds.gopen("pipe:" + cfg.s3_command.format(url=url))
+        def on_retry() -> None:
+            if state is not None:
+                state.stats["read_retries"] += 1
+
+        return s3.ObjectReader(url, s3=_s3_client(cfg), retry=s3.Retry(cfg.s3_retries),
+                               on_retry=on_retry)
     if url.startswith(("http://", "https://")):
         err: Exception | None = None
         for attempt in range(cfg.http_retries):
@@ -504,7 +542,7 @@ def _open_shards(sources: Iterator[dict], *, state: _SlotState, cfg: LoaderConfi
             state.shard_failed(url, e)
         finally:
             try:
-                stream.close()  # a "pipe:" stream raises here if its command failed
+                stream.close()
             except OSError as e:
                 state.shard_failed(url, e)
 
@@ -516,8 +554,8 @@ def _open_shards(sources: Iterator[dict], *, state: _SlotState, cfg: LoaderConfi
         state.current_url = url
         state.stats["shards"] += 1
         try:
-            stream = _open_stream(url, cfg=cfg)
-        except OSError as e:  # urllib.error.HTTPError is an OSError
+            stream = _open_stream(url, cfg=cfg, state=state)
+        except OSError as e:  # urllib.error.HTTPError and s3.S3Error are OSErrors
             state.shard_failed(url, e)
             continue
         if hashes is not None:

@@ -94,6 +94,8 @@ class DistConfig:
         fire only once across restarts and resubmissions).
     verify_checksums: sha256 of every local shard against the manifest before it is read
         (once per shard and process; ``pipeline.data.LoaderConfig``).
+    s3_endpoint_url: endpoint of an S3-compatible store for ``s3://`` sources (None:
+        ``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL`` on each worker, else AWS).
     """
 
     run_name: str
@@ -114,6 +116,7 @@ class DistConfig:
     transition_every: int = 1
     inject_failure: str = ""
     verify_checksums: bool = True
+    s3_endpoint_url: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("lr_values", "class_names"):
@@ -361,7 +364,8 @@ def run_worker(run: RunConfig, dist: DistConfig, view: LabelView, store: Any,
     loader_cfg = LoaderConfig(batch_size=per_rank_batch, num_workers=dist.loader_workers,
                               shuffle_buffer=dist.shuffle_buffer, seed=run.seed,
                               preset=dist.preset, pin_memory=cuda,
-                              verify_checksums=dist.verify_checksums)
+                              verify_checksums=dist.verify_checksums,
+                              s3_endpoint_url=dist.s3_endpoint_url)
     manifest = load_manifest(dist.train_source, cfg=loader_cfg)
     test_manifest = (load_manifest(dist.test_source, cfg=loader_cfg)
                      if dist.test_source else None)

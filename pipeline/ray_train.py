@@ -218,7 +218,7 @@ def progress_line(row: dict[str, float], *, run_name: str, epochs: int,
 
 
 DATA_KEYS = ("data_skipped_samples", "data_skipped_shards", "data_missing", "data_padded",
-             "data_checksum_mismatch")
+             "data_checksum_mismatch", "data_read_retries")
 
 
 def _quiet_ray_train_reports() -> None:
