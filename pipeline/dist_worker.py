@@ -55,7 +55,7 @@ from torch import Tensor, nn
 from pipeline.config import RunConfig
 from pipeline.data import LoaderConfig
 from pipeline.engine import (META_FILE, STATE_FILE, Engine, EngineOptions, Session,
-                             ShardSource, SharedChain, Tracking, _Forward, _scheduler,
+                             ShardSource, SharedChain, Tracking, _Forward, make_scheduler,
                              held_out_mask, transition_error)
 from pipeline.labels import LabelView
 from pipeline.lccn import GibbsLabeler, SampleStats
@@ -214,6 +214,11 @@ class DistLabeler(GibbsLabeler):
         z, stats = super().sample(probs, observed, idx)
         self.max_staleness = max(self.max_staleness, stats.staleness)
         return z, stats
+
+
+def _scheduler(optimizer: torch.optim.Optimizer, run: RunConfig, dist: DistConfig):
+    """The run's epoch schedule (``dist.lr_values``: per-phase rates)."""
+    return make_scheduler(optimizer, run, dist.lr_values)
 
 
 class _Failures:

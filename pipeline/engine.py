@@ -113,6 +113,37 @@ class ProcessSession:
         self.reports.append(dict(metrics))
 
 
+class TorchCollectives:
+    """``barrier`` / ``all_reduce_sum`` / ``all_gather`` over ``torch.distributed`` (the
+    process group Ray Train sets up; no-ops in a single process). Sessions inherit them
+    and set ``rank``, ``world_size`` and ``device``."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @staticmethod
+    def _dist() -> bool:
+        return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+    def barrier(self) -> None:
+        if self._dist():
+            torch.distributed.barrier()
+
+    def all_reduce_sum(self, t: Tensor) -> Tensor:
+        if self._dist():
+            torch.distributed.all_reduce(t)
+        return t
+
+    def all_gather(self, t: Tensor) -> list[Tensor]:
+        """Every rank's ``t`` (same shape on every rank), in rank order."""
+        if not self._dist():
+            return [t]
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        torch.distributed.all_gather(out, t.contiguous())
+        return out
+
+
 def all_gather_rows(session: Session, t: Tensor) -> Tensor:
     """Concatenate every rank's ``t (n_r, ...)`` along dim 0, in rank order (the ranks'
     ``n_r`` may differ: padded to the largest for the collective, then cut)."""
@@ -519,7 +550,10 @@ def _epoch_row(stats: dict[str, float], session: Session, *, epoch: int, global_
     return row
 
 
-def _scheduler(optimizer: torch.optim.Optimizer, run: RunConfig, lr_values: tuple[float, ...]):
+def make_scheduler(optimizer: torch.optim.Optimizer, run: RunConfig,
+                   lr_values: tuple[float, ...] = ()):
+    """The epoch schedule: ``lr`` decayed by ``lr_decay`` at each milestone, or with
+    ``lr_values`` the rate of each phase between milestones."""
     o = run.optim
     if not lr_values:
         return torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=list(o.milestones),
@@ -573,7 +607,7 @@ class Engine:
                             seed=run.seed + index).to(self.device)
         optimizer = torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum,
                                     weight_decay=o.weight_decay)
-        return Member(model, optimizer, _scheduler(optimizer, run, self.options.lr_values))
+        return Member(model, optimizer, make_scheduler(optimizer, run, self.options.lr_values))
 
     def reduce_cpu(self, t: Tensor) -> Tensor:
         """All-reduce (sum) a CPU tensor over ranks; returns it on the CPU."""

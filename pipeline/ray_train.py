@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from pipeline.config import RunConfig, from_dict
 from pipeline.confusion_store import ConfusionStore
 from pipeline.dist_worker import META_FILE, DistConfig, load_state, run_worker
+from pipeline.engine import TorchCollectives
 from pipeline.labels import LabelView
 from pipeline.store_actor import ActorStoreClient, create_store_actor, store_actor_name
 
@@ -76,8 +77,8 @@ def init_ray(**kwargs: Any) -> bool:
     return True
 
 
-class RaySession:
-    """:class:`pipeline.dist_worker.Session` over ``ray.train`` and ``torch.distributed``."""
+class RaySession(TorchCollectives):
+    """:class:`pipeline.engine.Session` over ``ray.train`` and ``torch.distributed``."""
 
     def __init__(self) -> None:
         import ray.train
@@ -100,25 +101,6 @@ class RaySession:
         stop_on_non_finite(model, rank=self.rank)
         return ray.train.torch.prepare_model(model)
 
-    def _dist(self) -> bool:
-        return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-    def barrier(self) -> None:
-        if self._dist():
-            torch.distributed.barrier()
-
-    def all_reduce_sum(self, t: Tensor) -> Tensor:
-        if self._dist():
-            torch.distributed.all_reduce(t)
-        return t
-
-    def all_gather(self, t: Tensor) -> list[Tensor]:
-        """Every rank's ``t`` (same shape on every rank), in rank order."""
-        if not self._dist():
-            return [t]
-        out = [torch.empty_like(t) for _ in range(self.world_size)]
-        torch.distributed.all_gather(out, t.contiguous())
-        return out
 
     def load_checkpoint(self) -> dict | None:
         """The newest complete checkpoint of the run: the one Ray Train hands over, or a
