@@ -53,7 +53,6 @@ import torch
 from torch import Tensor, nn
 
 from pipeline.config import RunConfig
-from pipeline.data import LoaderConfig
 from pipeline.engine import (META_FILE, STATE_FILE, Engine, EngineOptions, Session,
                              ShardSource, SharedChain, Tracking, _Forward, make_scheduler,
                              held_out_mask, transition_error)
@@ -251,6 +250,7 @@ def run_worker(run: RunConfig, dist: DistConfig, view: LabelView, store: Any,
     (``len(view)`` = N); store: a client of the run's StoreActor (None for a method
     without a chain, e.g. "ce"); session: rank/world size/collectives/checkpoints.
     """
+    from pipeline.data import LoaderConfig
     from pipeline.methods import get_method
 
     rank, ws = session.rank, session.world_size
