@@ -264,7 +264,8 @@ def run_worker(run: RunConfig, dist: DistConfig, view: LabelView, store: Any,
                               verify_checksums=dist.verify_checksums)
     data = ShardSource(train_source=dist.train_source, test_source=dist.test_source, view=view,
                        loader_cfg=loader_cfg, rank=rank, world_size=ws, held_out=held_out)
-    chain = SharedChain(store, session, seed=run.seed) if store is not None else None
+    chain = (SharedChain(store, session, seed=run.seed, held_out=held_out)
+             if store is not None else None)
     failures = _Failures(dist.inject_failure, rank, dist.run_dir)
     tracking = None
     if dist.tracking_uri:

@@ -443,8 +443,10 @@ class SharedChain:
 
     shared = True
 
-    def __init__(self, client: Any, session: Session, *, seed: int) -> None:
+    def __init__(self, client: Any, session: Session, *, seed: int,
+                 held_out: np.ndarray | None = None) -> None:
         self.client, self.session, self.seed = client, session, seed
+        self.held_out = held_out if held_out is not None and held_out.any() else None
         self.fence = ""
 
     def open(self, state: dict | None, session: Session) -> None:
@@ -454,12 +456,11 @@ class SharedChain:
         if session.rank != 0:
             self.fence = self.client.join()
 
-    def check_not_counted(self, held_out: np.ndarray | None) -> None:
-        """Rank 0: refuse a store that counts held-out samples in C."""
-        if held_out is None or not held_out.any() or self.session.rank != 0:
+    def _check_not_counted(self, state: dict) -> None:
+        """Refuse a store that counts samples of the noisy validation split in C."""
+        if self.held_out is None:
             return
-        counted = self.client.check_state()["counted"].numpy()
-        bad = np.flatnonzero(counted & held_out)
+        bad = np.flatnonzero(state["counted"].numpy() & self.held_out)
         if bad.size:
             raise ValueError(f"the store counts {bad.size} samples of the noisy validation "
                              f"split (idx {bad[:5].tolist()}...): create it with "
@@ -485,7 +486,11 @@ class SharedChain:
                            rank=rank)
 
     def read(self) -> dict | None:
-        return self.client.check_state()
+        """The chain state (rank 0; the store checks its invariants), with no held-out
+        sample counted."""
+        state = self.client.check_state()
+        self._check_not_counted(state)
+        return state
 
     def stats(self) -> dict[str, float]:
         return {f"store_{key}": v for key, v in self.client.stats().items()
@@ -654,8 +659,6 @@ class Engine:
             m.eval_model = _Forward(m.model, cuda=mixed)  # no DDP collectives in eval
         if self.chain is not None:
             self.chain.open(state["store"] if state is not None else None, session)
-            if isinstance(self.chain, SharedChain):
-                self.chain.check_not_counted(getattr(self.data, "held_out", None))
         if self.options.tracking is not None and session.rank == 0:
             self._start_tracking()
         self._prepared = True

@@ -328,12 +328,14 @@ def test_noisy_validation_split_of_a_distributed_run(digits, tmp_path, one_threa
 
 
 def test_a_store_counting_the_validation_split_is_refused(digits, tmp_path, one_thread):
+    """Rank 0 refuses the chain state at the first checkpoint (step 7, still in CE) and
+    nothing is saved."""
     run, dist, view, _, _ = _local_run(digits, tmp_path, epochs=2)
     obs = torch.from_numpy(view.observed)
     store = StoreActor(obs, obs.clone(), 10, 10)  # counts every sample
     with pytest.raises(ValueError, match="the store counts .* noisy validation split"):
         run_worker(run, dist, view, LocalStoreClient(store), LocalSession(tmp_path / "c"))
-    assert store.version == 0
+    assert store.version == 0 and not LocalSession(tmp_path / "c").checkpoints()
 
 
 def test_skipped_and_padded_samples_reach_each_epoch_row_and_mlflow(digits, tmp_path, one_thread):
