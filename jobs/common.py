@@ -176,6 +176,11 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
     m.add_argument("--outlier", action="store_true", help="LCCN*: K+1 latent classes")
     m.add_argument("--trusted-fraction", type=float, default=0.0,
                    help="LCCN+: this fraction of samples with a clean label is trusted")
+    m.add_argument("--val-fraction", type=float, default=0.05,
+                   help="noisy validation split: this fraction of the training samples "
+                        "(stratified by observed label, fixed by the seed) is never trained "
+                        "on nor counted in C; val_top1 (accuracy against the observed labels) "
+                        "each epoch selects the epoch reported as 'selected' (0: none)")
 
 
 def add_data_args(p: argparse.ArgumentParser, *, noise_default: str) -> None:
@@ -207,9 +212,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
                         outlier=args.outlier,
                         use_trusted=args.trusted_fraction > 0),
         monitor=MonitorConfig(stop=args.stop_on_collapse),
-        # the distributed jobs do not carve a noisy validation split yet: every training
-        # sample trains and is counted in C
-        val_fraction=0.0)
+        val_fraction=args.val_fraction)
 
 
 def apply_smoke(args: argparse.Namespace) -> None:
@@ -396,6 +399,7 @@ def run_job(args: argparse.Namespace, *, job: str, run: RunConfig, dist: DistCon
         "mlflow_run_id": state.get("mlflow_run_id"), "tracking_uri": dist.tracking_uri,
         "epoch": state.get("epoch"), "global_step": state.get("global_step"),
         "history": state.get("history"),  # one row per epoch, data counters included
+        "selected": selected_epoch(state.get("history") or []),
         "transition": None if out["phi"] is None else out["phi"].tolist(),
         "true_transition": None if view.transition is None else view.transition.tolist(),
     }
@@ -406,12 +410,34 @@ def run_job(args: argparse.Namespace, *, job: str, run: RunConfig, dist: DistCon
             print("true transition:")
             print(format_transition(view.transition))
     print(f"[{job}] done in {seconds:.0f} s: " + summary_line(metrics), flush=True)
+    sel = summary["selected"]
+    if sel is not None and sel["by"] == "val_top1":
+        test = sel["test_top1"]
+        test = f"{test:.4f}" if isinstance(test, float) else "not measured"
+        print(f"[{job}] selected epoch {sel['epoch'] + 1} (best noisy-validation accuracy "
+              f"{sel['val_top1']:.4f}): clean test accuracy {test}", flush=True)
     summary["metrics"] = measured(metrics)
     out_dir = Path(dist.run_dir) / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{dist.run_name}.json").write_text(
         json.dumps(json_safe(summary), indent=1, default=str, allow_nan=False))
     return summary
+
+
+def selected_epoch(history: list[dict[str, float]]) -> dict[str, Any] | None:
+    """The epoch a practitioner keeps: the highest noisy-validation accuracy ``val_top1``
+    (:func:`pipeline.engine.select_epoch`; the last epoch without a validation split), with
+    its clean test accuracy."""
+    from pipeline.engine import select_epoch
+
+    if not history:
+        return None
+    i = select_epoch(history)
+    row = history[i]
+    return {"epoch": int(row.get("epoch", i)), "val_top1": row.get("val_top1"),
+            "test_top1": row.get("test_top1"),
+            "by": "val_top1" if any(math.isfinite(r.get("val_top1", math.nan)) for r in history)
+            else "last"}
 
 
 def json_safe(obj: Any) -> Any:
@@ -425,7 +451,7 @@ def json_safe(obj: Any) -> Any:
     return obj
 
 
-SUMMARY_KEYS = ("test_top1", "label_recovery", "transition_error", "staleness",
+SUMMARY_KEYS = ("test_top1", "val_top1", "label_recovery", "transition_error", "staleness",
                 "staleness_max", "sync_time", "sampler_share", "steps_per_s", "images_per_s")
 
 

@@ -34,12 +34,14 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 from pipeline.config import RunConfig, from_dict
 from pipeline.confusion_store import ConfusionStore
 from pipeline.dist_worker import META_FILE, DistConfig, load_state, run_worker
+from pipeline.engine import TorchCollectives
 from pipeline.labels import LabelView
 from pipeline.store_actor import ActorStoreClient, create_store_actor, store_actor_name
 
@@ -75,8 +77,8 @@ def init_ray(**kwargs: Any) -> bool:
     return True
 
 
-class RaySession:
-    """:class:`pipeline.dist_worker.Session` over ``ray.train`` and ``torch.distributed``."""
+class RaySession(TorchCollectives):
+    """:class:`pipeline.engine.Session` over ``ray.train`` and ``torch.distributed``."""
 
     def __init__(self) -> None:
         import ray.train
@@ -99,17 +101,6 @@ class RaySession:
         stop_on_non_finite(model, rank=self.rank)
         return ray.train.torch.prepare_model(model)
 
-    def _dist(self) -> bool:
-        return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-    def barrier(self) -> None:
-        if self._dist():
-            torch.distributed.barrier()
-
-    def all_reduce_sum(self, t: Tensor) -> Tensor:
-        if self._dist():
-            torch.distributed.all_reduce(t)
-        return t
 
     def load_checkpoint(self) -> dict | None:
         """The newest complete checkpoint of the run: the one Ray Train hands over, or a
@@ -336,12 +327,21 @@ def prune_checkpoints(root: str | os.PathLike) -> list[str]:
 def initial_assignment_placeholder(view: LabelView, run: RunConfig) -> tuple[Tensor, Tensor | None]:
     """``z_init (N,)`` and ``counted (N,) bool | None`` the actor starts from: the observed
     labels until LCCN starts (the workers then commit the argmax assignment); LCCN+ trusted
-    samples hold their clean label and are never counted."""
-    observed = torch.from_numpy(view.observed)
+    samples hold their clean label and are never counted; nor are the samples of the noisy
+    validation split (``run.val_fraction``, :func:`pipeline.engine.held_out_mask`): C and
+    the chain cover the training samples only."""
+    from pipeline.engine import held_out_mask
+
+    observed = torch.from_numpy(np.array(view.observed))
+    z, counted = observed.clone(), None
     if run.lccn.use_trusted:
-        trusted = torch.from_numpy(view.trusted)
-        return torch.where(trusted, torch.from_numpy(view.clean), observed), ~trusted
-    return observed.clone(), None
+        trusted = torch.from_numpy(np.array(view.trusted))
+        z, counted = torch.where(trusted, torch.from_numpy(np.array(view.clean)), observed), ~trusted
+    held_out = held_out_mask(view, run.val_fraction, seed=run.seed)
+    if held_out is not None and held_out.any():
+        counted = torch.ones_like(observed, dtype=torch.bool) if counted is None else counted
+        counted = counted & ~torch.from_numpy(held_out)
+    return z, counted
 
 
 def fit_distributed(run: RunConfig, dist: DistConfig, view: LabelView, *,
@@ -362,10 +362,12 @@ def fit_distributed(run: RunConfig, dist: DistConfig, view: LabelView, *,
     from ray.train.torch import TorchConfig, TorchTrainer
 
     init_ray()
+    from pipeline.methods import get_method
+
     k = view.num_classes
     k_latent = k + 1 if (run.method == "lccn" and run.lccn.outlier) else k
     handle = name = None
-    if run.method == "lccn":
+    if get_method(run.method).needs_chain:
         z_init, counted = initial_assignment_placeholder(view, run)
         handle = create_store_actor(dist.run_name, torch.from_numpy(view.observed), z_init,
                                     k_latent, k, counted=counted)

@@ -1,13 +1,12 @@
-"""The single-process trainer: CE pre-training, then LCCN (Algorithm 3), or the CE baseline
-on the same schedule. The same pieces (GibbsLabeler, ConfusionStore, train_one_epoch) run
-inside Ray Train workers; here the store lives in-process.
+"""The single-process trainer: the engine (:mod:`pipeline.engine`) over in-memory tensors,
+with the Gibbs chain's store in this process. The method (``RunConfig.method``, see
+:mod:`pipeline.methods`) is the same plug-in a Ray Train worker runs.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -16,13 +15,11 @@ from torch import Tensor, nn
 
 from pipeline.config import RunConfig
 from pipeline.confusion_store import ConfusionStore
-from pipeline.fastpath import configure_backends, wrap_model
+from pipeline.engine import (Engine, EngineOptions, LocalChain, ProcessSession, TensorSource,
+                             select_epoch, transition_error)
 from pipeline.labels import LabelView, holdout_split
 from pipeline.lccn import GibbsLabeler
-from pipeline.loop import evaluate, predict, train_one_epoch
-from pipeline.models import build_model
 from pipeline.monitor import CollapseMonitor, chain_health
-from pipeline.warmup import estimate_phi_init, initial_assignment
 
 
 class Batch(NamedTuple):
@@ -91,38 +88,24 @@ class TensorData:
                         torch.ones(idx.numel(), dtype=torch.bool))
 
 
-def transition_error(phi: Tensor, truth) -> float:
-    """Mean absolute difference between ``phi`` and the true transition over the rows both
-    have (the first K rows when one of them carries an outlier row)."""
-    if truth is None:
-        return float("nan")
-    t = torch.as_tensor(truth, dtype=torch.float64)
-    rows = min(phi.shape[0], t.shape[0])
-    return float((phi[:rows].to(torch.float64) - t[:rows]).abs().mean())
-
-
-def select_epoch(history: list[dict[str, float]], key: str = "val_top1") -> int:
-    """Index of the row with the highest ``key`` (the first on ties): the epoch a
-    practitioner would keep, chosen on the noisy validation split. The last row when no
-    row has a finite ``key``."""
-    vals = [r.get(key, float("nan")) for r in history]
-    finite = [i for i, v in enumerate(vals) if v == v]
-    if not finite:
-        return len(history) - 1
-    return max(finite, key=lambda i: (vals[i], -i))
+__all__ = ["Batch", "LocalTrainer", "TensorData", "select_epoch", "transition_error"]
 
 
 class LocalTrainer:
-    """Trains one model on one split in this process.
+    """Trains ``cfg.method`` on one split in this process.
 
-    ``fit`` runs ``optim.pretrain_epochs`` of CE, then (method "lccn") estimates
-    ``phi_init`` and the initial assignment from the pretrained model and continues with
-    LCCN; method "ce" continues with CE on the same learning-rate schedule.
+    ``fit`` runs ``optim.pretrain_epochs`` of CE, then the method's noise-handling phase
+    (method "lccn": ``phi_init`` and the initial assignment from the pretrained model, then
+    LCCN; method "ce": CE on the same learning-rate schedule).
 
     ``cfg.val_fraction`` of ``train`` (stratified by observed label, fixed by the seed) is
     held out as a noisy validation split: never trained on, never counted in C, scored
     each epoch against its observed labels (``val_top1``). ``self.train`` is the rest; its
     idx are ``0..len(self.train)-1`` (``self.train_rows`` maps them back to ``train``).
+
+    One generator (``self.gen``, seeded by ``cfg.seed``) draws the data order, the
+    augmentations and the Gibbs steps. The networks exist from construction on (a caller
+    may load weights into :attr:`model` before :meth:`fit`).
     """
 
     def __init__(self, cfg: RunConfig, train: TensorData, test: TensorData, *,
@@ -137,111 +120,96 @@ class LocalTrainer:
                                                       seed=cfg.seed)
             self.val = train.take(val_rows).noisy()
             train = train.take(self.train_rows)
-        configure_backends(cfg.perf, device)
         if cfg.perf.enabled("data_on_device", device) and torch.device(device).type != "cpu":
+            # in-memory splits live on the device: batches and crop/flip are made there
             train, test = train.to(device), test.to(device)
             self.val = self.val.to(device) if self.val is not None else None
         self.cfg, self.train, self.test, self.device = cfg, train, test, device
         self.num_classes = k
-        self.k_latent = k + 1 if (cfg.method == "lccn" and cfg.lccn.outlier) else k
-        self.model = build_model(cfg.model.name, self.k_latent, in_channels=cfg.model.in_channels,
-                                 seed=cfg.seed).to(device)
-        # what the step calls (autocast, channels-last, compile); self.model holds the weights
-        self.forward = wrap_model(self.model, cfg.perf, device)
-        o = cfg.optim
-        # the fused CUDA kernel: one launch for all parameters, the same update
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=o.lr, momentum=o.momentum,
-                                         weight_decay=o.weight_decay,
-                                         fused=torch.device(device).type == "cuda" or None)
-        self.scheduler = torch.optim.lr_scheduler.MultiStepLR(
-            self.optimizer, milestones=list(o.milestones), gamma=o.lr_decay)
         self.gen = torch.Generator().manual_seed(cfg.seed)
-        self.store: ConfusionStore | None = None
-        self.labeler: GibbsLabeler | None = None
-        trusted = torch.from_numpy(train.labels.trusted)
-        self.trusted = trusted if (cfg.method == "lccn" and cfg.lccn.use_trusted) else None
-        self.monitor = CollapseMonitor(cfg.monitor)
-        self.phi_init: Tensor | None = None
+        data = TensorSource(train, self.val, test, batch_size=cfg.optim.batch_size,
+                            generator=self.gen)
+        from pipeline.methods import get_method
 
-    def _start_lccn(self) -> dict[str, float]:
-        """Algorithm 3 lines 2-3: phi_init and C from the pretrained classifier."""
-        lc = self.cfg.lccn
-        probs, idx, _ = predict(self.forward, self.train.batches(512), device=self.device)
-        order = torch.argsort(idx)
-        probs = probs[order]
-        observed = self.train.observed
-        phi_init = estimate_phi_init(lc, probs, observed, self.k_latent, self.num_classes)
-        self.pretrained_probs = probs
-        z0 = initial_assignment(observed, probs=probs, mode=lc.init)
-        counted = None
-        if self.trusted is not None:
-            z0 = torch.where(self.trusted, self.train.clean, z0)
-            counted = ~self.trusted
-        self.store = ConfusionStore(observed, z0, self.k_latent, self.num_classes, counted=counted)
-        o = self.cfg.optim
-        steps_per_epoch = -(-len(self.train) // o.batch_size)
-        self.labeler = GibbsLabeler(
-            lc, self.store, self.store.counts, self.store.version, phi_init=phi_init,
-            max_steps=(o.epochs - o.pretrain_epochs) * steps_per_epoch, generator=self.gen,
-            trusted=self.trusted, clean=self.train.clean, device=self.device,
-            compile_mode=self.cfg.perf.compile)
-        self.phi_init = phi_init
-        self.monitor.start(self._val_top1())
-        return {"init_transition_error": transition_error(phi_init, self.train.labels.transition)}
+        chain = (LocalChain(train.observed, k, generator=self.gen,
+                            check_invariants=cfg.check_invariants)
+                 if get_method(cfg.method).needs_chain else None)
+        self.engine = Engine(cfg, ProcessSession(device), data, chain=chain,
+                             options=EngineOptions(run_name="local", mixed_precision=True,
+                                                   raise_on_collapse=True))
+        self.k_latent = self.engine.k_latent
 
-    def _val_top1(self) -> float:
-        if self.val is None:
-            return float("nan")
-        return evaluate(self.forward, self.val.batches(512), num_classes=self.num_classes,
-                        device=self.device)["top1"]
+    # -- the engine's state, under the names callers use ---------------------------------------
+
+    @property
+    def method(self):
+        return self.engine.method
+
+    @property
+    def model(self) -> nn.Module:
+        return self.engine.members[0].model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.engine.members[0].optimizer
+
+    @property
+    def scheduler(self):
+        return self.engine.members[0].scheduler
+
+    @scheduler.setter
+    def scheduler(self, value) -> None:  # e.g. a benchmark's own learning-rate schedule
+        self.engine.members[0].scheduler = value
+
+    @property
+    def forward(self) -> nn.Module:
+        """What the training step calls (the fast paths of ``cfg.perf`` around :attr:`model`)."""
+        m = self.engine.members[0]
+        return m.train_model if m.train_model is not None else self.model
+
+    @property
+    def store(self) -> ConfusionStore | None:
+        chain = self.engine.chain
+        return None if chain is None else chain.store
+
+    @property
+    def labeler(self) -> GibbsLabeler | None:
+        return getattr(self.method, "labeler", None)
+
+    @property
+    def trusted(self) -> Tensor | None:
+        return getattr(self.method, "trusted", None)
+
+    @property
+    def monitor(self) -> CollapseMonitor | None:
+        return getattr(self.method, "monitor", None)
+
+    @property
+    def phi_init(self) -> Tensor | None:
+        return getattr(self.method, "phi_init", None)
+
+    @property
+    def pretrained_probs(self) -> Tensor | None:
+        """The pretrained classifier's probabilities over ``self.train`` (idx order),
+        from which the noise phase started."""
+        return getattr(self.method, "pretrained_probs", None)
 
     def health(self) -> dict[str, float]:
         """The collapse monitor's statistics of the current chain (LCCN phase only)."""
-        if self.store is None:
+        store = self.store
+        if store is None:
             return {}
-        return chain_health(self.store.z, self.store.observed, self.k_latent, self.num_classes,
-                            counted=self.store.counted, phi=self.store.transition(),
+        return chain_health(store.z, store.observed, self.k_latent, self.num_classes,
+                            counted=store.counted, phi=store.transition(),
                             phi_init=self.phi_init)
 
     def fit(self, *, on_epoch: Callable[[int, dict[str, float]], None] | None = None
             ) -> list[dict[str, float]]:
-        history = []
-        o = self.cfg.optim
-        for epoch in range(o.epochs):
-            extra: dict[str, float] = {}
-            if (self.cfg.method == "lccn" and epoch == o.pretrain_epochs) or (
-                    self.cfg.method == "lccn" and o.pretrain_epochs == 0 and epoch == 0):
-                extra = self._start_lccn()
-            labeler = self.labeler if epoch >= o.pretrain_epochs else None
-            t0 = time.perf_counter()
-            stats = train_one_epoch(
-                self.forward, self.train.batches(o.batch_size, generator=self.gen),
-                self.optimizer, labeler=labeler, trusted=self.trusted, xi=self.cfg.lccn.xi,
-                device=self.device, num_classes=self.num_classes)
-            self.scheduler.step()
-            ev = evaluate(self.forward, self.test.batches(512), num_classes=self.num_classes,
-                          device=self.device)
-            row = {"epoch": float(epoch), "phase": 1.0 if labeler is not None else 0.0,
-                   "lr": float(self.optimizer.param_groups[0]["lr"]), **stats,
-                   "val_top1": self._val_top1(),
-                   "test_top1": ev["top1"], "test_top5": ev["top5"],
-                   "epoch_time": time.perf_counter() - t0, **extra}
-            if self.store is not None:
-                if self.cfg.check_invariants:
-                    self.store.check()
-                row["transition_error"] = transition_error(self.store.transition(),
-                                                           self.train.labels.transition)
-                health = self.health()
-                row.update(health)
-                row["collapse"] = float(bool(self.monitor.check(health, row["val_top1"],
-                                                                epoch=epoch)))
-            else:
-                row["transition_error"] = float("nan")
-            history.append(row)
-            if on_epoch is not None:
-                on_epoch(epoch, row)
-        return history
+        """Train every epoch; returns one row per epoch. ``on_epoch(epoch, row)`` after
+        each."""
+        self.engine.options = replace(self.engine.options, on_epoch=on_epoch)
+        return self.engine.fit()
 
     def transition(self) -> Tensor | None:
-        """The learned ``phi (K_latent, K)`` (rows sum to 1), or None for CE."""
+        """The learned ``phi (K_latent, K)`` (rows sum to 1), or None without a chain."""
         return None if self.store is None else self.store.transition()

@@ -6,6 +6,7 @@ re-submission and a killed actor; MLflow contents; 1 vs 2 workers.
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from dataclasses import replace
@@ -20,6 +21,7 @@ from pipeline.monitor import CollapseWarning
 from pipeline.confusion import count_matrix
 from pipeline.confusion_store import ConfusionStore
 from pipeline.dist_worker import DistConfig, LocalSession, parse_failures, run_worker
+from pipeline.engine import held_out_mask
 from pipeline.lccn import GibbsLabeler
 from pipeline.ray_train import initial_assignment_placeholder
 from pipeline.store_actor import FenceError, LocalStoreClient, StoreActor
@@ -245,8 +247,95 @@ def test_store_state_from_checkpoint_recounts(digits, tmp_path, one_thread):
         st = load_state(c)["store"]
         again = ConfusionStore.from_state_dict(st)  # raises if C != recount(z)
         again.check()
-        assert np.bincount(st["observed"].numpy(), minlength=10).tolist() == \
+        # C counts the training samples only: the noisy validation split is not counted
+        held_out = held_out_mask(view, run.val_fraction, seed=run.seed)
+        assert held_out.sum() > 0 and not st["counted"].numpy()[held_out].any()
+        observed = st["observed"].numpy()
+        assert np.bincount(observed[~held_out], minlength=10).tolist() == \
             st["counts"].sum(0).tolist()
+        assert torch.equal(st["z"][held_out], st["observed"][held_out])  # never moved
+
+
+def test_noisy_validation_split_of_a_distributed_run(digits, tmp_path, one_thread, monkeypatch):
+    """The held-out split of a distributed run: the local trainer's split for the same view
+    and seed (stratified, deterministic), never in a training batch nor in C (skipped and
+    counted in val_held_out), and scored every epoch against the observed labels."""
+    from pipeline import methods
+    from pipeline.data import LoaderConfig, make_eval_loader
+    from pipeline.dist_worker import load_state
+    from pipeline.labels import LabelView
+    from pipeline.models import build_model
+    from pipeline.trainer import LocalTrainer, TensorData
+
+    run, dist, view, z0, counted = _local_run(digits, tmp_path, epochs=2)
+    dist = replace(dist, checkpoint_every=0)
+    n = len(view)
+    mask = held_out_mask(view, run.val_fraction, seed=run.seed)
+    # deterministic, stratified by observed label, another seed another split
+    assert np.array_equal(mask, held_out_mask(view, run.val_fraction, seed=run.seed))
+    assert not np.array_equal(mask, held_out_mask(view, run.val_fraction, seed=run.seed + 1))
+    for j in range(10):
+        n_j = int((view.observed == j).sum())
+        assert int(mask[view.observed == j].sum()) == round(run.val_fraction * n_j)
+    # the local trainer holds out the same samples
+    tiny = LabelView(np.arange(10) % 10, np.arange(10) % 10, 10)
+    local = LocalTrainer(run, TensorData(torch.zeros(n, 1, 8, 8), view),
+                         TensorData(torch.zeros(10, 1, 8, 8), tiny))
+    assert np.array_equal(np.setdiff1d(np.arange(n), local.train_rows), np.flatnonzero(mask))
+    assert counted is not None and torch.equal(counted, torch.from_numpy(~mask))
+
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # (idx, valid) of every training batch
+    real = methods.lccn.train_one_epoch
+
+    def recording(model, batches, *args, **kwargs):
+        def each():
+            for b in batches:
+                seen.append((b.idx.clone(), b.valid.clone()))
+                yield b
+        return real(model, each(), *args, **kwargs)
+
+    monkeypatch.setattr(methods.lccn, "train_one_epoch", recording)
+    store = StoreActor(torch.from_numpy(view.observed), z0, 10, 10, counted=counted)
+    session = LocalSession(tmp_path / "ckpt")
+    rows = run_worker(run, dist, view, LocalStoreClient(store), session)
+    assert len(rows) == 2 and seen
+    trained = torch.cat([idx[valid] for idx, valid in seen]).numpy()
+    assert not mask[np.concatenate([idx.numpy() for idx, _ in seen])].any()
+    # both epochs together saw every training sample twice, no held-out one
+    assert np.array_equal(np.bincount(trained, minlength=n), 2 * (~mask).astype(np.int64))
+    store.check()
+    assert torch.equal(store.z[torch.from_numpy(mask)], torch.from_numpy(view.observed)[mask])
+    for row in rows:
+        assert row["val_held_out"] == mask.sum()
+        assert 0 < row["val_top1"] <= 1
+    # val_top1 is the accuracy of the model against the held-out samples' observed labels
+    state = load_state(session.checkpoints()[-1])
+    model = build_model("small_cnn", 10, in_channels=1)
+    model.load_state_dict(state["model"])
+    model.eval()
+    loader = make_eval_loader(dist.train_source, view, LoaderConfig(
+        batch_size=64, num_workers=0, preset="digits", seed=0))
+    hit = total = 0
+    with torch.no_grad():
+        for b in loader:
+            keep = torch.from_numpy(mask)[b.idx] & b.valid
+            pred = model(b.images[keep]).argmax(1)
+            hit += int((pred == b.observed[keep]).sum())
+            total += int(keep.sum())
+    assert total == mask.sum()
+    assert rows[-1]["val_top1"] == pytest.approx(hit / total)
+    assert [r["val_top1"] for r in state["history"]] == [r["val_top1"] for r in rows]
+
+
+def test_a_store_counting_the_validation_split_is_refused(digits, tmp_path, one_thread):
+    """Rank 0 refuses the chain state at the first checkpoint (step 7, still in CE) and
+    nothing is saved."""
+    run, dist, view, _, _ = _local_run(digits, tmp_path, epochs=2)
+    obs = torch.from_numpy(view.observed)
+    store = StoreActor(obs, obs.clone(), 10, 10)  # counts every sample
+    with pytest.raises(ValueError, match="the store counts .* noisy validation split"):
+        run_worker(run, dist, view, LocalStoreClient(store), LocalSession(tmp_path / "c"))
+    assert store.version == 0 and not LocalSession(tmp_path / "c").checkpoints()
 
 
 def test_skipped_and_padded_samples_reach_each_epoch_row_and_mlflow(digits, tmp_path, one_thread):
@@ -385,6 +474,30 @@ def test_resubmission_resumes_from_last_checkpoint(chaos_run):
 
 
 @pytest.mark.ray
+def test_noisy_validation_reported_every_epoch_by_two_workers(chaos_run):
+    """Both ranks skip their held-out samples (summed: the whole split, in every epoch run
+    from its start) and score their share of them; val_top1 is in every epoch's row, in the
+    Ray Train report and selects the epoch of the result file."""
+    s = chaos_run["summary"]
+    train = chaos_run["run_dir"] / "data" / "digits-seed0" / "train"
+    view = quickstart_ray.digits_view(train, rate=0.4, seed=0)
+    n_val = int(held_out_mask(view, 0.05, seed=0).sum())
+    assert n_val > 0
+    hist = s["history"]
+    assert len(hist) == EPOCHS
+    for e, row in enumerate(hist):
+        assert 0 < row["val_top1"] <= 1, (e, row)
+        partial = row["resumed_epoch"] == e and row["resumed_batch"] > 0
+        assert row["val_held_out"] == n_val or (partial and row["val_held_out"] < n_val), row
+    assert 0 < s["metrics"]["val_top1"] <= 1  # rank 0's last Ray Train report
+    best = max(range(EPOCHS), key=lambda e: (hist[e]["val_top1"], -e))
+    assert s["selected"] == {"epoch": best, "val_top1": hist[best]["val_top1"],
+                             "test_top1": hist[best]["test_top1"], "by": "val_top1"}
+    saved = json.loads((chaos_run["run_dir"] / "results" / "chaos.json").read_text())
+    assert saved["selected"]["epoch"] == best
+
+
+@pytest.mark.ray
 def test_invariants_and_exact_commit_count_after_failures(chaos_run):
     """C equals the recount of z, column sums are the observed histogram, and the store
     applied exactly one commit per LCCN step per rank (+ one initial commit per rank): every
@@ -395,8 +508,12 @@ def test_invariants_and_exact_commit_count_after_failures(chaos_run):
     state = load_state(s["checkpoint"])["store"]
     store = ConfusionStore.from_state_dict(state)  # raises if C != recount(z)
     store.check()
-    assert torch.equal(store.counts, count_matrix(store.z, store.observed, 10, 10))
-    assert store.counts.sum(0).tolist() == np.bincount(store.observed.numpy(), minlength=10).tolist()
+    assert torch.equal(store.counts, count_matrix(store.z, store.observed, 10, 10,
+                                                  counted=store.counted))
+    counted = store.counted.numpy()
+    assert 0 < (~counted).sum() < 0.1 * counted.size  # the noisy validation split (5%)
+    assert store.counts.sum(0).tolist() == \
+        np.bincount(store.observed.numpy()[counted], minlength=10).tolist()
     lccn_steps = sum(chaos_run["steps"][PRETRAIN:])
     assert load_state(s["checkpoint"])["lccn_step"] == lccn_steps
     assert state["version"] == 2 * (lccn_steps + 1)
@@ -427,6 +544,8 @@ def test_mlflow_run_holds_metrics_figures_and_checkpoint(chaos_run):
     assert run.info.run_id == s["mlflow_run_id"] and run.info.status == "FINISHED"
     top1 = client.get_metric_history(run.info.run_id, "test_top1")
     assert sorted({m.step for m in top1}) == list(range(EPOCHS))
+    val = client.get_metric_history(run.info.run_id, "val_top1")
+    assert sorted({m.step for m in val}) == list(range(EPOCHS))
     assert {"staleness", "sync_time", "transition_error", "steps_per_s", "latent_entropy",
             "z_agreement", "phi_drift", "collapse"} <= set(run.data.metrics)
     files = {f.path for f in client.list_artifacts(run.info.run_id)}
@@ -459,9 +578,10 @@ def test_one_and_two_workers_estimate_the_same_transition(chaos_run, tmp_path):
         phi = np.array(s["transition"])
         assert np.allclose(phi.sum(1), 1)
         assert np.abs(phi - realised).mean() < 0.025, name
-        z = load_state(s["checkpoint"])["store"]["z"].numpy()
-        accuracy[name] = float((z == view.clean).mean())
-    observed_accuracy = float((view.observed == view.clean).mean())
+        st = load_state(s["checkpoint"])["store"]
+        z, counted = st["z"].numpy(), st["counted"].numpy()  # the training samples
+        accuracy[name] = float((z == view.clean)[counted].mean())
+    observed_accuracy = float((view.observed == view.clean)[counted].mean())
     assert min(accuracy.values()) > observed_accuracy + 0.04, (accuracy, observed_accuracy)
     assert abs(accuracy["one"] - accuracy["two"]) < 0.05, accuracy
     phi1, phi2 = np.array(one["transition"]), np.array(two["transition"])

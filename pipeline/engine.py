@@ -1,0 +1,849 @@
+"""The training engine: one epoch loop for every method, in one process or in a Ray Train
+worker.
+
+Three things vary between a run in this process and a run in Ray Train workers, and each is
+an object the engine is given; the loop itself is the same:
+
+- the :class:`Session`: rank, world size, device, collectives (``barrier``,
+  ``all_reduce_sum``, ``all_gather``), ``prepare_model`` (DDP), ``load_checkpoint`` and
+  ``report``. :class:`ProcessSession` (one process, nothing kept), ``LocalSession``
+  (:mod:`pipeline.dist_worker`: one process, checkpoints on disk) and ``RaySession``
+  (:mod:`pipeline.ray_train`);
+- the data (:class:`TensorSource`: in-memory tensors; :class:`ShardSource`: the
+  WebDataset loader of :mod:`pipeline.data`, each rank its share): the training pass of an
+  epoch, the training split in eval mode, the noisy validation split, the test split;
+- the chain backend (:class:`LocalChain`: an in-process
+  :class:`~pipeline.confusion_store.ConfusionStore`; :class:`SharedChain`: a client of the
+  run's fenced store actor).
+
+What is trained, and how, is the *method* (:mod:`pipeline.methods`), chosen by
+``RunConfig.method``. Per (re)start of a worker::
+
+    state = session.load_checkpoint()          members (models, optimizers, schedulers),
+                                               position, method state, history
+    chain open                                 rank 0 restores C and z (or the initial ones)
+    for epoch in [start_epoch, epochs):
+        pass = data.train_batches(epoch, start_batch)     held-out idx skipped and counted
+        method.start_noise_phase(epoch)        once, at the first noise-handling epoch
+        method.begin_epoch(epoch, pass.steps_per_epoch)
+        stats = method.train_epoch(epoch, pass, after_step)     after_step: global step,
+                                               mid-epoch checkpoints, injected faults
+        schedulers step; row = stats averaged over ranks + val_top1 + test + data counters
+        moment(): method.flush(), barrier, rank 0 reads the chain state, method.end_epoch
+                  (health, monitor), checkpoint, MLflow, report
+        collapse flagged (MonitorConfig.stop): every rank stops after this epoch
+
+A checkpoint (``state.pt``) holds ``models``/``optimizers``/``schedulers`` (one entry per
+member; ``model``/``optimizer``/``scheduler`` name the first), ``epoch``, ``batch``,
+``global_step``, the method's :meth:`~pipeline.methods.base.Method.state_dict` entries,
+``store`` (the chain state, or None), ``mlflow_run_id``, ``history``, ``method_name``,
+``k_latent`` and ``num_samples``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from pipeline.config import RunConfig
+from pipeline.confusion import transition
+from pipeline.confusion_store import ConfusionStore
+from pipeline.fastpath import configure_backends, wrap_model
+from pipeline.labels import LabelView, holdout_split
+from pipeline.lccn import GibbsLabeler
+from pipeline.loop import evaluate
+from pipeline.models import build_model
+
+STATE_FILE = "state.pt"
+META_FILE = "meta.json"
+
+
+class Session(Protocol):
+    """What the engine needs from its runtime (one process, or one Ray Train worker)."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    def prepare_model(self, model: nn.Module) -> nn.Module: ...
+    def barrier(self) -> None: ...
+    def all_reduce_sum(self, t: Tensor) -> Tensor: ...
+    def all_gather(self, t: Tensor) -> list[Tensor]: ...
+    def load_checkpoint(self) -> dict | None: ...
+    def report(self, metrics: dict[str, float], checkpoint_dir: str | None) -> None: ...
+
+
+class ProcessSession:
+    """Rank 0 of 1 in this process; keeps the reported metrics, never a checkpoint (the
+    local trainer's session: a run starts from scratch)."""
+
+    checkpointing = False
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.rank, self.world_size, self.device = 0, 1, torch.device(device)
+        self.reports: list[dict[str, float]] = []
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def barrier(self) -> None:
+        pass
+
+    def all_reduce_sum(self, t: Tensor) -> Tensor:
+        return t
+
+    def all_gather(self, t: Tensor) -> list[Tensor]:
+        return [t]
+
+    def load_checkpoint(self) -> dict | None:
+        return None
+
+    def report(self, metrics: dict[str, float], checkpoint_dir: str | None) -> None:
+        self.reports.append(dict(metrics))
+
+
+class TorchCollectives:
+    """``barrier`` / ``all_reduce_sum`` / ``all_gather`` over ``torch.distributed`` (the
+    process group Ray Train sets up; no-ops in a single process). Sessions inherit them
+    and set ``rank``, ``world_size`` and ``device``."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @staticmethod
+    def _dist() -> bool:
+        return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+    def barrier(self) -> None:
+        if self._dist():
+            torch.distributed.barrier()
+
+    def all_reduce_sum(self, t: Tensor) -> Tensor:
+        if self._dist():
+            torch.distributed.all_reduce(t)
+        return t
+
+    def all_gather(self, t: Tensor) -> list[Tensor]:
+        """Every rank's ``t`` (same shape on every rank), in rank order."""
+        if not self._dist():
+            return [t]
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        torch.distributed.all_gather(out, t.contiguous())
+        return out
+
+
+def all_gather_rows(session: Session, t: Tensor) -> Tensor:
+    """Concatenate every rank's ``t (n_r, ...)`` along dim 0, in rank order (the ranks'
+    ``n_r`` may differ: padded to the largest for the collective, then cut)."""
+    if session.world_size == 1:
+        return t
+    dev = session.device
+    sizes = torch.zeros(session.world_size, dtype=torch.int64, device=dev)
+    sizes[session.rank] = t.shape[0]
+    sizes = session.all_reduce_sum(sizes).cpu().tolist()
+    pad = torch.zeros((max(sizes), *t.shape[1:]), dtype=t.dtype, device=dev)
+    pad[:t.shape[0]] = t.to(dev)
+    parts = session.all_gather(pad)
+    return torch.cat([p[:n].cpu() for p, n in zip(parts, sizes)])
+
+
+def transition_error(phi: Tensor, truth: Any) -> float:
+    """Mean |phi - truth| over the rows both have (the first K when one of them carries an
+    outlier row); NaN without a truth."""
+    if truth is None:
+        return float("nan")
+    t = torch.as_tensor(np.asarray(truth), dtype=torch.float64)
+    rows = min(phi.shape[0], t.shape[0])
+    return float((phi[:rows].to(torch.float64) - t[:rows]).abs().mean())
+
+
+def select_epoch(history: list[dict[str, float]], key: str = "val_top1") -> int:
+    """Index of the row with the highest ``key`` (the first on ties): the epoch a
+    practitioner would keep, chosen on the noisy validation split. The last row when no
+    row has a finite ``key``."""
+    vals = [r.get(key, float("nan")) for r in history]
+    finite = [i for i, v in enumerate(vals) if v == v]
+    if not finite:
+        return len(history) - 1
+    return max(finite, key=lambda i: (vals[i], -i))
+
+
+def held_out_mask(view: LabelView, fraction: float, *, seed: int) -> np.ndarray | None:
+    """``(N,) bool``: the noisy validation split of a training label view, the same
+    stratified split as :func:`pipeline.labels.holdout_split` (and the local trainer) for
+    this view and seed; None when ``fraction`` is 0."""
+    if fraction <= 0:
+        return None
+    _, val_rows = holdout_split(view.observed, fraction, seed=seed)
+    mask = np.zeros(len(view), dtype=bool)
+    mask[val_rows] = True
+    return mask
+
+
+# -- members: the networks a method trains ----------------------------------------------------
+
+
+@dataclass
+class Member:
+    """One network a method trains: ``model`` (the bare module: checkpoints, evaluation),
+    its ``optimizer`` and epoch ``scheduler``; after :meth:`Engine.prepare`, ``train_model``
+    (DDP-wrapped in a distributed run, bf16 on CUDA) and ``eval_model`` (no collectives)."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    train_model: nn.Module | None = None
+    eval_model: nn.Module | None = None
+
+
+# -- data ---------------------------------------------------------------------------------------
+
+
+class _Pass:
+    """One training pass: iterable of batches with ``steps_per_epoch`` and ``counters``."""
+
+    def __init__(self, batches: Iterable[Any], steps_per_epoch: int) -> None:
+        self.batches, self.steps_per_epoch = batches, steps_per_epoch
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.batches)
+
+    def counters(self, session: Session) -> dict[str, float]:
+        return {}
+
+
+class TensorSource:
+    """In-memory splits (:class:`pipeline.trainer.TensorData`): ``train`` (idx 0..N-1),
+    ``val`` (the held-out split, scored against its observed labels, or None) and ``test``.
+    The training pass is shuffled and augmented from ``generator`` (the local trainer's one
+    generator: data order, augmentation and the Gibbs draws share it)."""
+
+    def __init__(self, train: Any, val: Any | None, test: Any, *, batch_size: int,
+                 generator: torch.Generator, eval_batch_size: int = 512) -> None:
+        self.train, self.val, self.test = train, val, test
+        self.batch_size, self.generator, self.eval_batch_size = batch_size, generator, eval_batch_size
+        labels = train.labels
+        self.num_samples, self.num_classes = len(train), labels.num_classes
+        self.observed, self.clean = train.observed, train.clean
+        self.trusted = torch.from_numpy(labels.trusted)
+        self.transition = labels.transition
+        self.held_out: np.ndarray | None = None  # the idx space holds training samples only
+
+    def train_batches(self, epoch: int, start_batch: int = 0) -> _Pass:
+        if start_batch:
+            raise ValueError("an in-memory pass cannot start mid-epoch (no checkpoints here)")
+        return _Pass(self.train.batches(self.batch_size, generator=self.generator),
+                     -(-len(self.train) // self.batch_size))
+
+    def train_eval_batches(self) -> Iterable[Any]:
+        return self.train.batches(self.eval_batch_size)
+
+    def val_batches(self) -> Iterable[Any] | None:
+        return None if self.val is None else self.val.batches(self.eval_batch_size)
+
+    def test_batches(self) -> Iterable[Any] | None:
+        return self.test.batches(self.eval_batch_size)
+
+
+class _SkipHeldOut:
+    """A shard loader's pass without the held-out idx; ``skipped`` counts the real
+    (``valid``) held-out samples left out. A batch made only of held-out samples keeps its
+    first one as padding (``valid=False``): every rank still steps."""
+
+    def __init__(self, loader: Any, held_out: np.ndarray) -> None:
+        self.loader, self.held_out = loader, torch.from_numpy(held_out)
+        self.steps_per_epoch = loader.steps_per_epoch
+        self.skipped = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        self.skipped = 0
+        for b in self.loader:
+            out = self.held_out[b.idx]
+            if not out.any():
+                yield b
+                continue
+            self.skipped += int((out & b.valid).sum())
+            keep = ~out
+            if not keep.any():
+                keep[0] = True
+                b = b._replace(valid=torch.zeros_like(b.valid))
+            sel = torch.nonzero(keep)[:, 0]
+            yield type(b)(*(t[sel] for t in b))
+
+
+class _ShardPass(_Pass):
+    def __init__(self, loader: Any, held_out: np.ndarray | None) -> None:
+        self.loader = loader
+        self.filter = None if held_out is None else _SkipHeldOut(loader, held_out)
+        super().__init__(self.filter if self.filter is not None else loader,
+                         loader.steps_per_epoch)
+
+    def counters(self, session: Session) -> dict[str, float]:
+        from pipeline.data import loader_counters
+
+        out = loader_counters(self.loader.stats, all_reduce_sum=session.all_reduce_sum,
+                              device=session.device)
+        skipped = torch.tensor([float(self.filter.skipped if self.filter else 0)],
+                               dtype=torch.float64)
+        out["val_held_out"] = float(session.all_reduce_sum(skipped.to(session.device)).cpu()[0])
+        return out
+
+
+def _held_out_only(batches: Iterable[Any], held_out: Tensor) -> Iterator[Any]:
+    """The held-out samples of an eval pass, scored against their observed labels."""
+    for b in batches:
+        keep = held_out[b.idx] & b.valid
+        if keep.any():
+            sel = torch.nonzero(keep)[:, 0]
+            b = type(b)(*(t[sel] for t in b))
+            yield b._replace(clean=b.observed)
+
+
+def _without(batches: Iterable[Any], held_out: Tensor) -> Iterator[Any]:
+    """An eval pass without the held-out samples (they are marked padding)."""
+    for b in batches:
+        yield b._replace(valid=b.valid & ~held_out[b.idx])
+
+
+class ShardSource:
+    """The training and test shards of a distributed run, this rank's share of each
+    (:mod:`pipeline.data`). ``held_out (N,) bool``: the noisy validation split (never in a
+    training pass, scored every epoch), or None."""
+
+    def __init__(self, *, train_source: str, test_source: str | None, view: LabelView,
+                 loader_cfg: Any, rank: int, world_size: int,
+                 held_out: np.ndarray | None) -> None:
+        from pipeline.data import load_manifest
+
+        self.train_source, self.test_source, self.view = train_source, test_source, view
+        self.cfg, self.rank, self.world_size = loader_cfg, rank, world_size
+        self.manifest = load_manifest(train_source, cfg=loader_cfg)
+        self.test_manifest = (load_manifest(test_source, cfg=loader_cfg)
+                              if test_source else None)
+        self.held_out = held_out if held_out is not None and held_out.any() else None
+        self._held_t = None if self.held_out is None else torch.from_numpy(self.held_out)
+        self.num_samples, self.num_classes = len(view), view.num_classes
+        # copies: a view from the object store is read-only
+        self.observed = torch.from_numpy(np.array(view.observed))
+        self.clean = torch.from_numpy(np.array(view.clean))
+        self.trusted = torch.from_numpy(np.array(view.trusted))
+        self.transition = view.transition
+
+    def train_batches(self, epoch: int, start_batch: int = 0) -> _ShardPass:
+        from pipeline.data import make_train_loader
+
+        loader = make_train_loader(self.train_source, self.view, self.cfg, rank=self.rank,
+                                   world_size=self.world_size, epoch=epoch,
+                                   start_batch=start_batch, manifest=self.manifest)
+        return _ShardPass(loader, self.held_out)
+
+    def _train_eval(self) -> Any:
+        from pipeline.data import make_eval_loader
+
+        return make_eval_loader(self.train_source, self.view, self.cfg, rank=self.rank,
+                                world_size=self.world_size, manifest=self.manifest)
+
+    def train_eval_batches(self) -> Iterable[Any]:
+        loader = self._train_eval()
+        return loader if self._held_t is None else _without(loader, self._held_t)
+
+    def val_batches(self) -> Iterable[Any] | None:
+        if self._held_t is None:
+            return None
+        return _held_out_only(self._train_eval(), self._held_t)
+
+    def test_batches(self) -> Iterable[Any] | None:
+        from pipeline.data import make_eval_loader
+
+        if not self.test_source:
+            return None
+        return make_eval_loader(self.test_source, None, self.cfg, rank=self.rank,
+                                world_size=self.world_size, manifest=self.test_manifest)
+
+
+# -- chain backends -----------------------------------------------------------------------------
+
+
+class LocalChain:
+    """The Gibbs chain's state in this process: a :class:`ConfusionStore` made when the
+    noise phase starts; labelers draw from the engine's ``generator``."""
+
+    shared = False
+    # set by the Engine: where the replica of C and the Gibbs step live, and whether the
+    # step's device core is compiled (PerfConfig.compile)
+    device: torch.device | None = None
+    compile_mode: str = "off"
+
+    def __init__(self, observed: Tensor, num_classes: int, *, generator: torch.Generator,
+                 check_invariants: bool = True) -> None:
+        self.observed, self.num_classes = observed, num_classes
+        self.generator, self.check_invariants = generator, check_invariants
+        self.store: ConfusionStore | None = None
+
+    def open(self, state: dict | None, session: Session) -> None:
+        if state is not None:
+            self.store = ConfusionStore.from_state_dict(state)
+
+    def start(self, idx: Tensor, z0: Tensor, *, k_latent: int, trusted: Tensor | None,
+              clean: Tensor) -> None:
+        """Initial assignment ``z0`` of samples ``idx`` (all of them, in one process)."""
+        z = self.observed.clone()
+        z[idx] = z0
+        counted = None
+        if trusted is not None:
+            z = torch.where(trusted, clean, z)
+            counted = ~trusted
+        self.store = ConfusionStore(self.observed, z, k_latent, self.num_classes,
+                                    counted=counted)
+
+    def labeler(self, cfg: Any, *, phi_init: Tensor, max_steps: int, trusted: Tensor | None,
+                clean: Tensor) -> GibbsLabeler:
+        return GibbsLabeler(cfg, self.store, self.store.counts, self.store.version,
+                            phi_init=phi_init, max_steps=max_steps, generator=self.generator,
+                            trusted=trusted, clean=clean, device=self.device,
+                            compile_mode=self.compile_mode)
+
+    def read(self) -> dict | None:
+        """The chain state now (rank 0): counts, z, observed, counted, version."""
+        if self.store is None:
+            return None
+        if self.check_invariants:
+            self.store.check()
+        return self.store.state_dict()
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+
+class SharedChain:
+    """The chain in the run's fenced store actor (:mod:`pipeline.store_actor`): rank 0
+    opens it (restoring the checkpointed C and z) and every rank joins its fence."""
+
+    shared = True
+    # set by the Engine: where the replica of C and the Gibbs step live, and whether the
+    # step's device core is compiled (PerfConfig.compile)
+    device: torch.device | None = None
+    compile_mode: str = "off"
+
+    def __init__(self, client: Any, session: Session, *, seed: int,
+                 held_out: np.ndarray | None = None) -> None:
+        self.client, self.session, self.seed = client, session, seed
+        self.held_out = held_out if held_out is not None and held_out.any() else None
+        self.fence = ""
+
+    def open(self, state: dict | None, session: Session) -> None:
+        if session.rank == 0:
+            self.fence = self.client.open(state)
+        session.barrier()
+        if session.rank != 0:
+            self.fence = self.client.join()
+
+    def _check_not_counted(self, state: dict) -> None:
+        """Refuse a store that counts samples of the noisy validation split in C."""
+        if self.held_out is None:
+            return
+        bad = np.flatnonzero(state["counted"].numpy() & self.held_out)
+        if bad.size:
+            raise ValueError(f"the store counts {bad.size} samples of the noisy validation "
+                             f"split (idx {bad[:5].tolist()}...): create it with "
+                             f"pipeline.ray_train.initial_assignment_placeholder(view, run)")
+
+    def start(self, idx: Tensor, z0: Tensor, *, k_latent: int, trusted: Tensor | None,
+              clean: Tensor) -> None:
+        """Commit this rank's initial assignment (the store ignores samples it does not
+        count: trusted and held-out ones), then wait for every rank's."""
+        self.client.commit(idx, z0, worker=f"init.rank{self.session.rank}.{self.fence[:8]}",
+                           seq=0)
+        self.session.barrier()
+
+    def labeler(self, cfg: Any, *, phi_init: Tensor, max_steps: int, trusted: Tensor | None,
+                clean: Tensor) -> GibbsLabeler:
+        from pipeline.dist_worker import DistLabeler
+
+        counts, version = self.client.snapshot()
+        rank = self.session.rank
+        return DistLabeler(cfg, self.client, counts, version, phi_init=phi_init,
+                           max_steps=max_steps, generator=torch.Generator(), trusted=trusted,
+                           clean=clean, worker=f"rank{rank}.{self.fence[:8]}", seed=self.seed,
+                           rank=rank, device=self.device, compile_mode=self.compile_mode)
+
+    def read(self) -> dict | None:
+        """The chain state (rank 0; the store checks its invariants), with no held-out
+        sample counted."""
+        state = self.client.check_state()
+        self._check_not_counted(state)
+        return state
+
+    def stats(self) -> dict[str, float]:
+        return {f"store_{key}": v for key, v in self.client.stats().items()
+                if key in ("duplicates", "refused", "busy_s")}
+
+
+# -- the engine ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Tracking:
+    """MLflow for rank 0 (:class:`pipeline.tracking.Tracker`)."""
+
+    uri: str
+    experiment: str
+    run_name: str
+    params: dict[str, Any]
+    class_names: tuple[str, ...] = ()
+    transition_every: int = 1
+
+
+@dataclass
+class EngineOptions:
+    """checkpoint_every: also checkpoint every n global steps inside an epoch (0: epoch
+    ends only); pretrained: ImageNet weights; lr_values: per-phase learning rates (see
+    :class:`pipeline.dist_worker.DistConfig`); mixed_precision: False turns
+    ``RunConfig.perf``'s bf16 autocast and channels-last off whatever it says; raise_on_collapse: the collapse monitor raises
+    :class:`~pipeline.monitor.ChainCollapsed` itself (one process) instead of every rank
+    stopping together after the epoch; after_step: called with the global step after each
+    step (fault injection); on_epoch: called on rank 0 with (epoch, row)."""
+
+    run_name: str = "run"
+    checkpoint_every: int = 0
+    pretrained: bool = False
+    lr_values: tuple[float, ...] = ()
+    mixed_precision: bool = True
+    raise_on_collapse: bool = False
+    tracking: Tracking | None = None
+    after_step: Callable[[int], None] | None = None
+    on_epoch: Callable[[int, dict[str, float]], None] | None = None
+
+
+_REDUCED = ("loss", "label_recovery", "changed", "staleness", "gamma", "step_time",
+            "sampler_time", "sync_time", "sampler_share", "images_per_s", "steps")
+
+
+def _epoch_row(stats: dict[str, float], session: Session, *, epoch: int, global_step: int,
+               lr: float, phase: bool) -> dict[str, float]:
+    """Train stats averaged over ranks (images_per_s summed: the run's throughput)."""
+    vals = torch.tensor([stats.get(key, float("nan")) for key in _REDUCED], dtype=torch.float64)
+    nan = torch.isnan(vals)
+    vals = torch.nan_to_num(vals, nan=0.0)
+    tot = session.all_reduce_sum(vals.to(session.device)).cpu() / session.world_size
+    row = dict(zip(_REDUCED, tot.tolist()))
+    row["images_per_s"] *= session.world_size
+    for key, missing in zip(_REDUCED, nan.tolist()):
+        if missing:  # NaN on this rank (no known clean label, or not measured): NaN
+            row[key] = float("nan")
+    row["steps_per_s"] = 1.0 / row["step_time"] if row["step_time"] > 0 else 0.0
+    row.update(epoch=float(epoch), global_step=float(global_step), lr=float(lr),
+               phase=1.0 if phase else 0.0)
+    return row
+
+
+def make_scheduler(optimizer: torch.optim.Optimizer, run: RunConfig,
+                   lr_values: tuple[float, ...] = ()):
+    """The epoch schedule: ``lr`` decayed by ``lr_decay`` at each milestone, or with
+    ``lr_values`` the rate of each phase between milestones."""
+    o = run.optim
+    if not lr_values:
+        return torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=list(o.milestones),
+                                                    gamma=o.lr_decay)
+    values = list(lr_values)
+    if len(values) != len(o.milestones) + 1:
+        raise ValueError(f"lr_values {values} needs len(milestones) + 1 = "
+                         f"{len(o.milestones) + 1} entries (milestones {list(o.milestones)})")
+    miles = list(o.milestones)
+    # LambdaLR multiplies the optimizer's initial lr (o.lr) by the factor
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda e: values[sum(e >= m for m in miles)] / o.lr)
+
+
+class Engine:
+    """Runs ``run.method`` (:mod:`pipeline.methods`) over ``data`` with ``session``.
+
+    chain: a :class:`LocalChain` or :class:`SharedChain` (needed by methods with a Gibbs
+    chain, e.g. LCCN; None otherwise). The members (networks) are built here, so a caller
+    may load weights into them before :meth:`fit`.
+    """
+
+    def __init__(self, run: RunConfig, session: Session, data: Any, *, chain: Any = None,
+                 options: EngineOptions | None = None) -> None:
+        from pipeline.methods import get_method
+
+        self.run, self.session, self.data, self.chain = run, session, data, chain
+        self.options = options or EngineOptions()
+        self.device = session.device
+        configure_backends(run.perf, self.device)
+        if chain is not None:
+            chain.device, chain.compile_mode = self.device, run.perf.compile
+        self.num_classes = data.num_classes
+        self.method = get_method(run.method)(run, self)
+        self.k_latent = self.method.num_outputs()
+        if self.method.needs_chain and chain is None:
+            raise ValueError(f"method {run.method!r} needs a store client")
+        self.members: list[Member] = self.method.build_members()
+        self.history: list[dict[str, float]] = []
+        self.global_step = 0
+        self.run_id: str | None = None
+        self.tracker = None
+        self._prepared = False
+
+    # -- what methods use ----------------------------------------------------------------------
+
+    def make_member(self, index: int = 0, *, num_outputs: int | None = None) -> Member:
+        """A network of ``run.model`` (``num_outputs`` logits, default K_latent), SGD with
+        the run's optimiser settings and its epoch schedule. Member i > 0 is initialised
+        from ``seed + i`` (two networks must start apart)."""
+        run, o = self.run, self.run.optim
+        model = build_model(run.model.name, num_outputs or self.k_latent,
+                            in_channels=run.model.in_channels, pretrained=self.options.pretrained,
+                            seed=run.seed + index).to(self.device)
+        # the fused CUDA kernel: one launch for all parameters, the same update
+        optimizer = torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum,
+                                    weight_decay=o.weight_decay,
+                                    fused=self.device.type == "cuda" or None)
+        return Member(model, optimizer, make_scheduler(optimizer, run, self.options.lr_values))
+
+    def reduce_cpu(self, t: Tensor) -> Tensor:
+        """All-reduce (sum) a CPU tensor over ranks; returns it on the CPU."""
+        return self.session.all_reduce_sum(t.to(self.device)).cpu()
+
+    def score(self, batches: Iterable[Any] | None, member: int = 0) -> dict[str, float]:
+        """top1/top5 (clean labels of ``batches``) of a member, over every rank's share."""
+        if batches is None:
+            return {"top1": float("nan"), "top5": float("nan"), "n": 0.0}
+        model = self.members[member].eval_model
+        it = iter(batches)
+        first = next(it, None)
+        ev = ({"top1": float("nan"), "top5": float("nan"), "n": 0.0} if first is None else
+              self.method.evaluate(model, itertools.chain([first], it)))
+        if self.session.world_size == 1:
+            return ev
+        n = ev["n"]
+        vals = torch.tensor([0.0 if n == 0 else ev["top1"] * n,
+                             0.0 if n == 0 else ev["top5"] * n, n], dtype=torch.float64)
+        t1, t5, n = self.reduce_cpu(vals).tolist()
+        return {"top1": t1 / n if n else float("nan"), "top5": t5 / n if n else float("nan"),
+                "n": n}
+
+    def val_top1(self) -> float:
+        """Accuracy on the noisy validation split against its observed labels (NaN
+        without one)."""
+        return self.score(self.data.val_batches())["top1"]
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def prepare(self) -> dict:
+        """Load the checkpoint to resume from (if any), wrap the members for training, open
+        the chain and start tracking. Returns the ``resumed_*`` row entries."""
+        session, run = self.session, self.run
+        state = session.load_checkpoint()
+        self.start_epoch = self.start_batch = 0
+        if state is not None:
+            self._load(state)
+        perf = run.perf
+        if not self.options.mixed_precision:
+            perf = replace(perf, amp="off", channels_last="off")
+        for m in self.members:
+            # channels-last converts the parameters in place: the optimizer keeps them
+            m.train_model = wrap_model(session.prepare_model(m.model), perf, self.device)
+            # no DDP collectives (and no second compiled graph set) in evaluation
+            m.eval_model = wrap_model(m.model, replace(perf, compile="off"), self.device)
+        if self.chain is not None:
+            self.chain.open(state["store"] if state is not None else None, session)
+        if self.options.tracking is not None and session.rank == 0:
+            self._start_tracking()
+        self._prepared = True
+        return ({"resumed_epoch": float(self.start_epoch), "resumed_batch": float(self.start_batch)}
+                if state is not None else {"resumed_epoch": -1.0, "resumed_batch": -1.0})
+
+    def _load(self, state: dict) -> None:
+        name = state.get("method_name", self.run.method)
+        if name != self.run.method:
+            raise ValueError(f"checkpoint is for method {name!r}; this run is {self.run.method!r}")
+        if (state["k_latent"], state["num_samples"]) != (self.k_latent, self.data.num_samples):
+            raise ValueError(f"checkpoint is for K_latent={state['k_latent']}, "
+                             f"N={state['num_samples']}; this run has {self.k_latent}, "
+                             f"{self.data.num_samples}")
+        models = state.get("models", [state["model"]])
+        optimizers = state.get("optimizers", [state["optimizer"]])
+        schedulers = state.get("schedulers", [state["scheduler"]])
+        if len(models) != len(self.members):
+            raise ValueError(f"checkpoint has {len(models)} networks; method "
+                             f"{self.run.method!r} trains {len(self.members)}")
+        for m, ms, os_, ss in zip(self.members, models, optimizers, schedulers):
+            m.model.load_state_dict(ms)
+            m.optimizer.load_state_dict(os_)
+            m.scheduler.load_state_dict(ss)
+        self.start_epoch, self.start_batch = int(state["epoch"]), int(state["batch"])
+        self.global_step = int(state["global_step"])
+        self.run_id = state["mlflow_run_id"]
+        self.history = list(state["history"])
+        self.method.load_state_dict(state)
+
+    def _start_tracking(self) -> None:
+        from dataclasses import asdict
+
+        from pipeline.tracking import Tracker
+
+        t = self.options.tracking
+        if self.run_id is None and isinstance(self.chain, SharedChain):
+            self.run_id = self.chain.client.get_meta("mlflow_run_id")  # restarted before
+        self.tracker = Tracker(tracking_uri=t.uri, experiment=t.experiment,  # a checkpoint
+                               run_name=t.run_name, run_id=self.run_id)
+        self.run_id = self.tracker.start({"run": asdict(self.run), **t.params})
+        if isinstance(self.chain, SharedChain):
+            self.chain.client.set_meta("mlflow_run_id", self.run_id)
+
+    def fit(self) -> list[dict[str, float]]:
+        """Train from the checkpoint (or the start) to ``optim.epochs``; returns the rows of
+        the epochs run by this call (rank 0's rows carry the chain's health)."""
+        resumed = self.prepare() if not self._prepared else {}
+        o, session = self.run.optim, self.session
+        rows: list[dict[str, float]] = []
+        collapsed = False
+        if self.start_epoch >= o.epochs and session.rank == 0:
+            print(f"run {self.options.run_name}: already complete ({self.start_epoch} of "
+                  f"{o.epochs} epochs in its last checkpoint); nothing to do", flush=True)
+        try:
+            for epoch in range(self.start_epoch, o.epochs):
+                row = self._epoch(epoch, resumed)
+                rows.append(row)
+                flag = torch.tensor([row.get("collapse", 0.0) if self.run.monitor.stop else 0.0],
+                                    dtype=torch.float64)
+                if float(self.reduce_cpu(flag)[0]) > 0:
+                    collapsed = True
+                    if session.rank == 0:
+                        print(f"run {self.options.run_name}: stopped after epoch {epoch}: the "
+                              f"chain collapsed (MonitorConfig.stop)", flush=True)
+                    break
+        except BaseException:
+            if self.tracker is not None:
+                try:  # a restarted rank 0 sets it RUNNING again when it resumes
+                    self.tracker.end("FAILED")
+                except Exception as e:  # never hide the failure itself
+                    print(f"could not mark MLflow run {self.run_id} FAILED: {e}", flush=True)
+            raise
+        if self.tracker is not None:
+            self.tracker.end("FAILED" if collapsed else "FINISHED")
+        return rows
+
+    def _epoch(self, epoch: int, resumed: dict[str, float]) -> dict[str, float]:
+        o, session, method = self.run.optim, self.session, self.method
+        t_epoch = time.perf_counter()
+        first_batch = self.start_batch if epoch == self.start_epoch else 0
+        train_pass = self.data.train_batches(epoch, first_batch)
+        extra: dict[str, float] = {}
+        phase = method.in_noise_phase(epoch)
+        if phase and not method.noise_phase_started():
+            extra = method.start_noise_phase(epoch)
+        method.begin_epoch(epoch, train_pass.steps_per_epoch)
+        done = {"in_epoch": first_batch}
+
+        def after_step() -> None:
+            self.global_step += 1
+            done["in_epoch"] += 1
+            if (self.options.checkpoint_every and self.global_step % self.options.checkpoint_every == 0
+                    and done["in_epoch"] < train_pass.steps_per_epoch):
+                self._moment(epoch, done["in_epoch"], {"epoch": float(epoch),
+                                                       "global_step": float(self.global_step)})
+            if self.options.after_step is not None:
+                self.options.after_step(self.global_step)
+
+        stats = method.train_epoch(epoch, train_pass, after_step)
+        for m in self.members:
+            m.scheduler.step()
+        row = _epoch_row(stats, session, epoch=epoch, global_step=self.global_step,
+                         lr=self.members[0].optimizer.param_groups[0]["lr"], phase=phase)
+        row["val_top1"] = self.val_top1()
+        test = self.data.test_batches()
+        if test is not None:
+            ev = self.score(test)
+            row.update(test_top1=ev["top1"], test_top5=ev["top5"])
+        row.update(train_pass.counters(session))
+        row.update(method.epoch_stats())
+        row.update(resumed)
+        row.update(extra)
+        row["epoch_time"] = time.perf_counter() - t_epoch
+        self.history.append(row)
+        self._moment(epoch + 1, 0, row, row=row, final=epoch + 1 == o.epochs)
+        if self.options.on_epoch is not None and session.rank == 0:
+            self.options.on_epoch(epoch, row)
+        return row
+
+    def _moment(self, epoch: int, batch: int, metrics: dict[str, float], *,
+                row: dict[str, float] | None = None, final: bool = False) -> None:
+        """One consistent moment: every rank's async work is done (method.flush), barrier,
+        rank 0 reads the chain state, updates ``row`` (epoch ends) and writes the checkpoint;
+        every rank reports (a barrier: no rank commits again before rank 0 has read the
+        chain)."""
+        session = self.session
+        self.method.flush()
+        checkpointing = getattr(session, "checkpointing", True)
+        session.barrier()
+        if session.rank != 0:
+            if checkpointing:
+                session.report(dict(metrics), None)
+            return
+        metrics = dict(metrics)
+        chain_state = self.chain.read() if self.chain is not None else None
+        observed = self.method.observe_chain(chain_state, epoch=epoch - 1,
+                                             row=row if batch == 0 else None)
+        if row is not None and batch == 0:
+            row.update(observed)
+            row.setdefault("transition_error", float("nan"))
+        metrics.update(observed)
+        if chain_state is not None:
+            metrics["store_version"] = float(chain_state["version"])
+            metrics.update(self.chain.stats())
+        if not checkpointing:
+            session.report(metrics, None)
+            return
+        state = {
+            "models": [m.model.state_dict() for m in self.members],
+            "optimizers": [m.optimizer.state_dict() for m in self.members],
+            "schedulers": [m.scheduler.state_dict() for m in self.members],
+            "epoch": epoch, "batch": batch, "global_step": self.global_step,
+            "store": chain_state, "mlflow_run_id": self.run_id, "history": self.history,
+            "method_name": self.run.method, "k_latent": self.k_latent,
+            "num_samples": self.data.num_samples,
+        }
+        state.update(model=state["models"][0], optimizer=state["optimizers"][0],
+                     scheduler=state["schedulers"][0])
+        method_state = self.method.state_dict()
+        clash = set(method_state) & set(state)
+        if clash:
+            raise RuntimeError(f"method {self.run.method!r} state keys {sorted(clash)} clash "
+                               f"with the engine's")
+        state.update(method_state)
+        tracker, t = self.tracker, self.options.tracking
+        with tempfile.TemporaryDirectory(prefix="lccn-ckpt-") as tmp:
+            torch.save(state, Path(tmp) / STATE_FILE)
+            meta = {"epoch": epoch, "batch": batch, "global_step": self.global_step,
+                    "lccn_step": int(method_state.get("lccn_step", 0)),
+                    "mlflow_run_id": self.run_id, "run_name": self.options.run_name,
+                    "store_version": None if chain_state is None else int(chain_state["version"])}
+            (Path(tmp) / META_FILE).write_text(json.dumps(meta, indent=1))
+            phi = None if chain_state is None else transition(chain_state["counts"])
+            if tracker is not None and batch == 0:
+                tracker.log_metrics(metrics, step=epoch - 1)
+                if (phi is not None and self.method.noise_phase_started() and t.transition_every
+                        and (final or epoch % t.transition_every == 0)):
+                    tracker.log_transition(phi, epoch=epoch - 1, truth=self.data.transition,
+                                           class_names=list(t.class_names) or None)
+            session.report(metrics, tmp)
+            if tracker is not None and final:
+                tracker.log_curves(self.history)
+                if phi is not None:
+                    tracker.log_final(phi, checkpoint_dir=tmp,
+                                      class_names=list(t.class_names) or None)

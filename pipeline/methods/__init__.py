@@ -1,0 +1,11 @@
+"""Training methods as plug-ins of the engine (:mod:`pipeline.engine`), one module each,
+registered by the name ``RunConfig.method`` takes. See :class:`pipeline.methods.base.Method`
+for the interface and ``docs/design.md`` for how to add one."""
+
+from pipeline.methods.base import Method, get_method, register, registered
+
+# the built-in methods register themselves on import
+from pipeline.methods import ce as _ce  # noqa: E402,F401
+from pipeline.methods import lccn as _lccn  # noqa: E402,F401
+
+__all__ = ["Method", "get_method", "register", "registered"]
