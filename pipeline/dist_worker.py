@@ -54,13 +54,13 @@ from torch import Tensor, nn
 
 from pipeline.config import RunConfig
 from pipeline.engine import (META_FILE, STATE_FILE, Engine, EngineOptions, Session,
-                             ShardSource, SharedChain, Tracking, _Forward, make_scheduler,
+                             ShardSource, SharedChain, Tracking, make_scheduler,
                              held_out_mask, transition_error)
 from pipeline.labels import LabelView
 from pipeline.lccn import GibbsLabeler, SampleStats
 
 __all__ = ["DistConfig", "DistLabeler", "LocalSession", "META_FILE", "STATE_FILE", "Session",
-           "load_state", "parse_failures", "run_worker", "transition_error", "_Forward",
+           "load_state", "parse_failures", "run_worker", "transition_error",
            "_scheduler"]
 
 FAILURE_MODES = ("exit", "raise", "kill_store")
