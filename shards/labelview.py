@@ -1,4 +1,5 @@
-"""Build a label view (``.npz``) for one split of shards, without decoding any image.
+"""Build a label view (``.npz``) for one split of shards (no image is decoded, except for
+instance-dependent noise).
 
 Usage::
 
@@ -17,6 +18,11 @@ Which labels are clean (``--labels-are-clean`` / ``--no-labels-are-clean``):
   dataset's ``label`` and its clean label the dataset's ``clean`` (``-1`` where unknown).
   Only ``"dataset"`` (the default spec), ``"csv"`` and ``"clean"`` (if every clean label
   is known) make sense; synthetic noise needs known clean labels.
+
+Instance-dependent noise (``{"kind": "instance", "rate": 0.4, "seed": 0}``, Xia et al. 2020)
+draws each flip from the sample's image: this kind alone decodes the split's images, resized
+to ``--features-size`` pixels a side (32 by default: CIFAR's own size) and standardised per
+channel, as the generator's features (N x 3 x size x size float32 in memory).
 
 ``--csv PATH`` is shorthand for ``--spec '{"kind": "csv", "path": PATH}'``; the file's keys
 are the dataset's ``key`` field (``--csv-key key``, default) or the shard keys ``%08d`` of
@@ -39,7 +45,8 @@ from pipeline.labels import LabelView
 from pipeline.manifest import Manifest, ManifestError, sample_key
 from pipeline.noise import format_transition, make_view, summary
 
-_SYNTHETIC = {"symmetric", "asymmetric", "pair_flip", "cifar100_superclass", "open_set"}
+_SYNTHETIC = {"symmetric", "asymmetric", "pair_flip", "cifar100_superclass", "open_set",
+              "instance"}
 
 # The class order the CIFAR-10 asymmetric map (pipeline.noise.CIFAR10_ASYM_MAP) is written
 # in, and the map by name: truck->automobile, bird->airplane, deer->horse, cat->dog.
@@ -158,6 +165,58 @@ def read_split_labels(split_dir: str | Path, *, checksums: bool = False) -> dict
     return out
 
 
+def read_split_features(split_dir: str | Path, *, size: int = 32) -> np.ndarray:
+    """The features instance-dependent noise draws from: every image of the split in ``idx``
+    order, RGB, resized to ``size x size`` (bilinear) when it is not already, scaled to
+    [0, 1] and standardised per channel over the split; ``(N, 3 * size * size)`` float32.
+
+    Raises ``ManifestError`` naming the shard and member of an image that does not decode
+    or an ``idx`` with no image."""
+    import io
+
+    from PIL import Image
+
+    split_dir = Path(split_dir)
+    man = Manifest.load(split_dir)
+    n = man.num_samples
+    feats = np.zeros((n, 3, size, size), np.float32)
+    seen = np.zeros(n, bool)
+    for shard in man.shards:
+        path = split_dir / shard.name
+        try:
+            tar = tarfile.open(path, "r:")
+        except tarfile.TarError as e:
+            raise ManifestError(f"{path}: not a readable tar archive ({e})") from None
+        with tar:
+            for member in _members(tar, path):
+                name = Path(member.name).name
+                stem, _, ext = name.partition(".")
+                if not member.isfile() or ext.lower() not in ("jpg", "jpeg", "png", "webp"):
+                    continue
+                where = f"{path}: member {member.name}"
+                try:
+                    idx = int(stem)
+                except ValueError:
+                    raise ManifestError(f"{where}: not named by a sample idx") from None
+                if not 0 <= idx < n:
+                    raise ManifestError(f"{where}: idx {idx} is outside [0, {n})")
+                try:
+                    img = Image.open(io.BytesIO(tar.extractfile(member).read())).convert("RGB")
+                except Exception as e:  # PIL raises several types for a bad image
+                    raise ManifestError(f"{where}: cannot decode the image ({e})") from None
+                if img.size != (size, size):
+                    img = img.resize((size, size), Image.BILINEAR)
+                feats[idx] = np.asarray(img, np.float32).transpose(2, 0, 1) / 255.0
+                seen[idx] = True
+    if not seen.all():
+        raise ManifestError(f"{split_dir}: idx {int(np.flatnonzero(~seen)[0])} has no image")
+    mean = feats.mean(axis=(0, 2, 3), keepdims=True)
+    std = feats.std(axis=(0, 2, 3), keepdims=True)
+    feats -= mean
+    feats /= np.maximum(std, 1e-6)
+    return feats.reshape(n, -1)
+
+
 def _members(tar: tarfile.TarFile, path: Path):
     """The members of ``tar``; a damaged archive raises ManifestError naming the shard."""
     it = iter(tar)
@@ -179,7 +238,8 @@ def _int_field(rec: Any, name: str, where: str) -> int:
 
 
 def build_view(split_dir: str | Path, spec: dict[str, Any], *, labels_are_clean: bool | None = None,
-               csv_key: str = "key", checksums: bool = False) -> LabelView:
+               csv_key: str = "key", checksums: bool = False,
+               features_size: int = 32) -> LabelView:
     """The label view of ``spec`` over the split in ``split_dir`` (see the module docstring
     for ``labels_are_clean``; None picks it from ``manifest.dataset``)."""
     man = Manifest.load(split_dir)
@@ -206,8 +266,10 @@ def build_view(split_dir: str | Path, spec: dict[str, Any], *, labels_are_clean:
         raise ValueError(f"csv_key must be 'key' or 'idx', got {csv_key!r}")
     keys = list(lab["key"]) if csv_key == "key" else [sample_key(i) for i in lab["idx"]]
     spec = map_classes_by_name(dict(spec), list(man.classes), where=str(split_dir))
+    features = (read_split_features(split_dir, size=features_size)
+                if spec.get("kind") == "instance" else None)
     return make_view(spec, clean, man.num_classes, keys=keys, coarse=lab.get("coarse"),
-                     observed=lab["label"])
+                     observed=lab["label"], features=features)
 
 
 def _parse_json_arg(text: str, what: str) -> dict[str, Any]:
@@ -247,6 +309,9 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--labels-are-clean", action=argparse.BooleanOptionalAction, default=None,
                    help="the dataset's label field is clean (default: dataset name cifar*)")
     p.add_argument("--checksums", action="store_true", help="also verify shard sha256")
+    p.add_argument("--features-size", type=int, default=32, metavar="PX",
+                   help="instance-dependent noise: images are resized to PX x PX for its "
+                        "features (default 32)")
     p.add_argument("--out", required=True, type=Path, help="the .npz view to write")
     return p
 
@@ -263,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         spec["trusted"] = _parse_json_arg(args.trusted, "--trusted")
     try:
         view = build_view(args.split_dir, spec, labels_are_clean=args.labels_are_clean,
-                          csv_key=args.csv_key, checksums=args.checksums)
+                          csv_key=args.csv_key, checksums=args.checksums,
+                          features_size=args.features_size)
     except ValueError as e:  # ManifestError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
