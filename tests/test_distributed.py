@@ -159,11 +159,11 @@ def test_parse_failures_and_dist_config_checks(tmp_path):
 # -- the worker loop in one process: checkpoint and exact resume -------------------------------
 
 
-def _local_run(digits, root: Path, *, inject: str = "", epochs: int = 3):
+def _local_run(digits, root: Path, *, inject: str = "", epochs: int = 3, commit_every: int = 1):
     train, test, view = digits
     run = RunConfig(method="lccn", seed=0, model=ModelConfig("small_cnn", in_channels=1),
                     optim=OptimConfig(epochs=epochs, pretrain_epochs=1, batch_size=64, lr=0.05),
-                    lccn=LCCNConfig(warmup_steps=5))
+                    lccn=LCCNConfig(warmup_steps=5, commit_every=commit_every))
     dist = DistConfig(run_name="local", run_dir=str(root), train_source=str(train),
                       test_source=str(test), num_workers=1, loader_workers=0,
                       shuffle_buffer=100, preset="digits", checkpoint_every=7,
@@ -172,10 +172,12 @@ def _local_run(digits, root: Path, *, inject: str = "", epochs: int = 3):
     return run, dist, view, z0, counted
 
 
-def test_resume_after_failure_is_exact(digits, tmp_path, one_thread):
+@pytest.mark.parametrize("commit_every", [1, 4])
+def test_resume_after_failure_is_exact(digits, tmp_path, one_thread, commit_every):
     """Failing mid-epoch (after a mid-epoch checkpoint) and resuming gives the same model,
-    C, z and commit count as the uninterrupted run: nothing lost, nothing counted twice."""
-    run, dist, view, z0, counted = _local_run(digits, tmp_path / "a")
+    C, z and commit count as the uninterrupted run: nothing lost, nothing counted twice.
+    With commit_every 4 the worker dies holding 3 steps it has not sent (43-45)."""
+    run, dist, view, z0, counted = _local_run(digits, tmp_path / "a", commit_every=commit_every)
     obs = torch.from_numpy(view.observed)
     ref_store = StoreActor(obs, z0, 10, 10, counted=counted)
     ref_session = LocalSession(tmp_path / "a" / "ckpt")
@@ -195,7 +197,10 @@ def test_resume_after_failure_is_exact(digits, tmp_path, one_thread):
 
     assert torch.equal(store.z, ref_store.z)
     assert torch.equal(store.counts, ref_store.counts)
-    assert store.version == ref_store.version == 2 * 20 + 1  # 2 LCCN epochs + initial commit
+    if commit_every == 1:
+        assert store.version == ref_store.version == 2 * 20 + 1  # 2 LCCN epochs + initial
+    else:  # one call per 4 steps, plus the flushes at the checkpoints (every 7 steps)
+        assert ref_store.version < 2 * 20 * 0.5 and store.duplicates == 0
     store.check()
     a = LocalSession(tmp_path / "a" / "ckpt").load_checkpoint()
     b = session.load_checkpoint()
