@@ -87,6 +87,7 @@ class ConfusionStore:
         self.k_latent, self.num_classes = int(k_latent), int(num_classes)
         self.counts = count_matrix(z, observed, self.k_latent, self.num_classes, counted=counted)
         self.version = 0
+        self.steps = 0  # training steps whose labels were applied (a push carries several)
         self.last_seq: dict[str, int] = {}
         # (version, obs, old, new, worker, steps) of each recent commit
         self._log: deque[tuple[int, Tensor, Tensor, Tensor, str, int]] = deque(
@@ -105,8 +106,9 @@ class ConfusionStore:
         idx, z_new: (B,) int64. Entries of samples that are not counted are ignored. A
         commit whose ``seq`` is not newer than the last applied for ``worker`` is a retry:
         nothing changes and it is counted in :attr:`duplicates`. ``steps``: how many
-        training steps the commit carries (1, or the batches of a :meth:`push`); only the
-        staleness figures use it.
+        training steps the commit carries (1, or the batches of a :meth:`push`): added to
+        :attr:`steps` (every step applied exactly once: ``steps`` = steps trained) and used
+        for the staleness figures.
         """
         idx = torch.as_tensor(idx, dtype=torch.int64)
         z_new = torch.as_tensor(z_new, dtype=torch.int64)
@@ -142,6 +144,7 @@ class ConfusionStore:
         else:
             obs = old = new = torch.empty(0, dtype=torch.int64)
         self.version += 1
+        self.steps += int(steps)
         self._log.append((self.version, obs, old, new, worker, int(steps)))
         return self.version
 
@@ -227,7 +230,8 @@ class ConfusionStore:
         return {"observed": self.observed.clone(), "z": self.z.clone(),
                 "counted": self.counted.clone(), "counts": self.counts.clone(),
                 "k_latent": self.k_latent, "num_classes": self.num_classes,
-                "version": self.version, "last_seq": dict(self.last_seq)}
+                "version": self.version, "steps": self.steps,
+                "last_seq": dict(self.last_seq)}
 
     def load_state_dict(self, state: dict) -> None:
         """Go back to a checkpointed ``state`` in place (same split: same ``observed`` and
@@ -249,6 +253,7 @@ class ConfusionStore:
             raise ValueError("checkpointed C does not equal the recount of its z: corrupt state")
         self.z, self.counts = z, counts
         self.version = int(state["version"])
+        self.steps = int(state.get("steps", self.version))  # older states: a step per commit
         self.last_seq = dict(state["last_seq"])
         self._log.clear()
 
@@ -259,5 +264,6 @@ class ConfusionStore:
         if not torch.equal(store.counts, state["counts"]):
             raise ValueError("checkpointed C does not equal the recount of its z: corrupt state")
         store.version = int(state["version"])
+        store.steps = int(state.get("steps", store.version))
         store.last_seq = dict(state["last_seq"])
         return store
