@@ -33,6 +33,11 @@ Together with the ``(worker, seq)`` de-duplication of :meth:`ConfusionStore.comm
 call is applied once) every delta is applied exactly once relative to the checkpoint the
 run resumed from: commits after it are discarded with the model steps that made them.
 
+With ``LCCNConfig.commit_every > 1`` a worker sends several steps' labels per call
+(:meth:`StoreActor.push_packed`, one ``seq`` and one fence check per call) and the store
+counts the steps it applied (``steps`` in the state): one per LCCN step and rank plus the
+initial assignments, whatever the calls, when nothing was lost or applied twice.
+
 Clients (the ``Store`` protocol of :mod:`pipeline.lccn` plus the control calls):
 :class:`LocalStoreClient` calls a StoreActor in this process; :class:`ActorStoreClient` calls
 the Ray actor: ``step`` returns the ObjectRef at once and ``resolve`` waits for it, so the
@@ -350,9 +355,16 @@ class ActorStoreClient(LocalStoreClient):
 
     def push(self, idx: Tensor, z_new: Tensor, *, since: int, worker: str, seq: int,
              steps: int = 1, full_z: bool = False) -> Any:
-        return self.store.push_packed.remote(idx.numpy(), z_new.numpy(), since=since,
-                                             worker=worker, seq=seq, steps=steps,
-                                             full_z=full_z, fence=self.fence)
+        # int32 sample indices and int16 labels: a third of the bytes to pickle and send
+        z_np = z_new.numpy()
+        if z_new.numel() and int(z_new.max()) <= np.iinfo(np.int16).max:
+            z_np = z_np.astype(np.int16)
+        idx_np = idx.numpy()
+        if idx.numel() and int(idx.max()) <= np.iinfo(np.int32).max:
+            idx_np = idx_np.astype(np.int32)
+        return self.store.push_packed.remote(idx_np, z_np, since=since, worker=worker,
+                                             seq=seq, steps=steps, full_z=full_z,
+                                             fence=self.fence)
 
     def layout(self) -> tuple[Tensor, Tensor]:
         observed, counted = self._get(self.store.layout.remote())

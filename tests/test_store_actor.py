@@ -420,3 +420,46 @@ def test_push_packed_round_trips_and_packs_small():
                                      since=-1, worker="w", seq=1, steps=0, fence=fb))
     assert full.counts.dtype == torch.int64 and torch.equal(full.counts, b.counts)
     assert b.version == 2  # an empty pull commits nothing
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True])
+def test_commit_every_must_be_a_positive_integer(bad):
+    with pytest.raises(ValueError, match=f"commit_every must be an integer >= 1, got {bad!r}"):
+        LCCNConfig(commit_every=bad)
+
+
+@pytest.mark.ray
+def test_push_over_a_real_actor_keeps_the_chain_and_is_fenced(ray_local):
+    """Two labelers push through ActorStoreClient (packed int16/int32 arrays, replies taken
+    when they have arrived): C == recount(z), z holds every drawn label, the replicas
+    catch up exactly; after the actor is killed and reopened, a push is refused."""
+    from pipeline.store_actor import ActorStoreClient, create_store_actor
+
+    local = _push_store()
+    handle = create_store_actor("push-test", local.observed, local.z, local.k_latent,
+                                local.num_classes)
+    labelers = _labelers([ActorStoreClient(handle) for _ in range(2)], 3)
+    drawn = local.z.clone()
+    for epoch in range(2):
+        _epoch(labelers, local.observed, epoch, drawn=drawn)
+    state = labelers[0].store.check_state()
+    assert torch.equal(state["z"], drawn)
+    assert state["steps"] == sum(len(range(0, 300, 16)) for _ in range(2)) * 2
+    for lab in labelers:
+        lab._send()
+        lab._resolve(wait=True)
+        assert torch.equal(lab.counts, state["counts"])
+    labelers[0].store.kill()
+    deadline = time.monotonic() + 60
+    while True:
+        assert time.monotonic() < deadline, "the actor did not come back within 60 s"
+        try:
+            if ray_local.get(handle.get_fence.remote()) is None:
+                break
+        except ray_local.exceptions.RayActorError:
+            time.sleep(0.2)
+    lab = labelers[1]
+    lab._buf.append((torch.tensor([1]), torch.tensor([2])))
+    with pytest.raises(FenceError, match="refused"):
+        lab.flush()
+    ray_local.kill(handle, no_restart=True)
