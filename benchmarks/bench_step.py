@@ -236,7 +236,7 @@ class Runner:
         self.worker = worker
         self.share = share   # (i, W): this worker trains on samples i, i + W, ...
         self.labelers: dict[str, GibbsLabeler] = {}
-        cfg = LCCNConfig()
+        cfg = LCCNConfig(commit_every=1)   # the per-step modes; "push" sets its own
         phi = smoothed_identity(k, k)
         max_steps = 10 * setup.steps
         if store_actor is None:  # in-process: the local store only

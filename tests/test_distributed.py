@@ -122,7 +122,8 @@ def test_load_state_dict_rejects_other_split_and_corrupt_counts():
 
 
 def test_labeler_over_client_matches_direct_store():
-    """GibbsLabeler through LocalStoreClient (fenced) keeps the replica equal to C."""
+    """GibbsLabeler through LocalStoreClient (fenced, one call per step) keeps the replica
+    equal to C."""
     k, n = 4, 64
     g = torch.Generator().manual_seed(0)
     observed = torch.randint(0, k, (n,), generator=g)
@@ -130,7 +131,7 @@ def test_labeler_over_client_matches_direct_store():
     client = LocalStoreClient(store)
     client.open(None)
     counts, version = client.snapshot()
-    lab = GibbsLabeler(LCCNConfig(), client, counts, version, phi_init=torch.eye(k),
+    lab = GibbsLabeler(LCCNConfig(commit_every=1), client, counts, version, phi_init=torch.eye(k),
                        max_steps=10, generator=torch.Generator().manual_seed(1))
     batches = [torch.arange(s, s + 16) for s in range(0, n, 16)]
     lab.prefetch(batches[0])
