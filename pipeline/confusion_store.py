@@ -112,6 +112,8 @@ class ConfusionStore:
         """
         idx = torch.as_tensor(idx, dtype=torch.int64)
         z_new = torch.as_tensor(z_new, dtype=torch.int64)
+        if steps < 0:
+            raise ValueError(f"steps must be >= 0, got {steps}")
         if idx.shape != z_new.shape or idx.ndim != 1:
             raise ValueError(f"idx and z_new must both be (B,), got {tuple(idx.shape)} and "
                              f"{tuple(z_new.shape)}")

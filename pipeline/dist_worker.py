@@ -21,8 +21,8 @@ Per worker::
         every ``checkpoint_every`` steps and at the end of the epoch: checkpoint
     rank 0 logs to MLflow (metrics, transition heat map, final CSV and checkpoint)
 
-Checkpoint = one consistent moment: every rank flushes its labeler (its last commit is
-applied), barrier, rank 0 reads the store's state through ``check_state`` (invariants
+Checkpoint = one consistent moment: every rank flushes its labeler (the steps it still
+buffers with ``commit_every > 1`` are sent, and its last commit is applied), barrier, rank 0 reads the store's state through ``check_state`` (invariants
 checked by the store) and writes ``state.pt`` (model, optimizer, scheduler, epoch, batch
 position, global step, LCCN step, phi_init, store state, MLflow run id, history); every rank
 then calls ``report`` (a barrier: no rank commits again before rank 0 has read the store).
