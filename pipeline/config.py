@@ -53,7 +53,8 @@ class LCCNConfig:
         staleness metric). One worker samples the same chain whatever the value. Default 8:
         one actor then absorbs ~200,000-360,000 samples/s at batch 64 instead of ~30,000,
         with no measurable change in accuracy (benchmarks/results/actor.md, staleness.md);
-        keep it well under the steps of an epoch.
+        keep it well under the steps of an epoch (a distributed worker caps it at a
+        quarter of its steps per epoch).
     """
 
     alpha: float | tuple[float, ...] = 1.0

@@ -42,7 +42,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -389,8 +389,12 @@ def run_worker(run: RunConfig, dist: DistConfig, view: LabelView, store: Any,
             if lccn_now and labeler is None:
                 counts, version = store.snapshot()
                 max_steps = (o.epochs - o.pretrain_epochs) * loader.steps_per_epoch
+                # at most a quarter of an epoch's steps per call: a replica never misses
+                # most of an epoch of the other workers (tiny runs, e.g. smoke tests)
+                every = min(lc.commit_every, max(1, loader.steps_per_epoch // 4))
                 labeler = DistLabeler(
-                    lc, store, counts, version, phi_init=phi_init, max_steps=max_steps,
+                    replace(lc, commit_every=every), store, counts, version,
+                    phi_init=phi_init, max_steps=max_steps,
                     generator=torch.Generator(), trusted=trusted, clean=clean,
                     worker=f"rank{rank}.{fence[:8]}", seed=run.seed, rank=rank)
                 labeler.step_count = lccn_step
