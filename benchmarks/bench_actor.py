@@ -7,6 +7,11 @@ of the next batch and the count deltas since the worker's last version. The work
 asyncio coroutines spread over a few client processes (Ray actors), so 32 workers do not
 need 32 Python processes on a small machine.
 
+The "push" protocol (``LCCNConfig.commit_every = n``) runs the real ``StoreActor``:
+each worker keeps z of its own samples (a disjoint share of the N, as in an epoch) and
+sends the labels of n batches in one ``push_packed`` call, getting back the other
+workers' moves since its version. Its rate is reported in samples/s (calls x n x batch).
+
 Measured: commits/s the actor absorbs, client-side latency p50/p90/p99, request and reply
 bytes per step, and the actor process's CPU use (a core near 100% = saturated). The
 "naive" protocol (full C in every reply, ``since=-1``) shows why incremental sync matters
@@ -36,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pipeline.confusion_store import ConfusionStore, Sync  # noqa: E402
+from pipeline.store_actor import StoreActor  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -48,7 +54,9 @@ class Load:
     warmup: float
     naive: bool = False      # full C in every reply (since = -1) instead of deltas
     wire: str = "tensor"     # "tensor": the store as is; "numpy": numpy arrays on the wire;
-                             # "echo": same payloads, canned reply, no store work (Ray's floor)
+                             # "echo": same payloads, canned reply, no store work (Ray's floor);
+                             # "push": StoreActor.push_packed, commit_every batches per call
+    commit_every: int = 1
 
 
 class NumpyWireStore(ConfusionStore):
@@ -93,6 +101,61 @@ class Clients:
         torch.set_num_threads(1)
         results = await asyncio.gather(*(self._worker(store, w, load, version, start_at, tag)
                                          for w in worker_ids))
+        return {"lat": np.concatenate([r[0] for r in results]),
+                "done": sum(r[1] for r in results),
+                "req_bytes": [b for r in results for b in r[2]],
+                "reply_bytes": [b for r in results for b in r[3]],
+                "deltas": [d for r in results for d in r[4]]}
+
+    async def _pusher(self, store, wid: int, workers: int, load: Load, fence: str,
+                      start_at: float, tag: str):
+        """A worker of the push protocol: ``commit_every`` batches of its own samples per
+        call; its own copy of their z; the other workers' moves come back."""
+        rng = np.random.default_rng([1000 + wid, int(tag.lstrip("p"))])
+        n, k, b, pool = load.num_samples, load.num_classes, load.batch, 64
+        mine = np.arange(wid, n, workers, dtype=np.int64)        # a disjoint share of N
+        per_call = b * load.commit_every
+        idxs = [rng.choice(mine, min(per_call, mine.size), replace=False) for _ in range(pool)]
+        worker = f"{tag}-{wid}"
+        reply = await store.push_packed.remote(np.empty(0, np.int64), np.empty(0, np.int64),
+                                               since=-1, worker=worker, seq=0, steps=0,
+                                               full_z=True, fence=fence)
+        z_local, version = reply[0].astype(np.int64), reply[1]
+        while time.time() < start_at:
+            await asyncio.sleep(0.001)
+        t_measure = start_at + load.warmup
+        t_end = t_measure + load.duration
+        lat, done, req, rep, deltas = [], 0, [], [], []
+        i = 0
+        while True:
+            now = time.time()
+            if now >= t_end:
+                break
+            idx = idxs[i % pool]
+            move = rng.random(idx.size) < load.change
+            z_new = np.where(move, rng.integers(0, k, idx.size), z_local[idx])
+            z_local[idx] = z_new
+            t0 = time.perf_counter()
+            reply = await store.push_packed.remote(idx, z_new, since=version, worker=worker,
+                                                   seq=i + 1, steps=load.commit_every,
+                                                   fence=fence)
+            dt = time.perf_counter() - t0
+            version = reply[1]
+            i += 1
+            if now >= t_measure and time.time() <= t_end:
+                lat.append(dt)
+                done += 1
+                if done <= 16:
+                    req.append(len(pickle.dumps((idx, z_new))))
+                    rep.append(len(pickle.dumps(reply)))
+                    deltas.append(reply[2].size)
+        return np.asarray(lat), done, req, rep, deltas
+
+    async def run_push(self, store, worker_ids: list[int], workers: int, load: Load,
+                       fence: str, start_at: float, tag: str) -> dict:
+        torch.set_num_threads(1)
+        results = await asyncio.gather(*(self._pusher(store, w, workers, load, fence,
+                                                      start_at, tag) for w in worker_ids))
         return {"lat": np.concatenate([r[0] for r in results]),
                 "done": sum(r[1] for r in results),
                 "req_bytes": [b for r in results for b in r[2]],
@@ -167,6 +230,8 @@ ZERO_COPY_ENV = {"env_vars": {"RAY_ENABLE_ZERO_COPY_TORCH_TENSORS": "1"}}
 def protocol_name(load: Load, zero_copy: bool) -> str:
     if load.naive:
         return "full C"
+    if load.wire == "push":
+        return f"push, commit_every {load.commit_every}"
     name = {"tensor": "deltas", "numpy": "deltas, numpy wire",
             "echo": "Ray floor (echo)"}[load.wire]
     return name + (", zero-copy" if zero_copy else "")
@@ -179,9 +244,11 @@ class Bench:
         self.load, self.zero_copy = load, zero_copy
         observed, z0 = make_store_args(load, seed)
         env = {"runtime_env": ZERO_COPY_ENV} if zero_copy else {}
-        cls = {"tensor": ConfusionStore, "numpy": NumpyWireStore, "echo": EchoStore}[load.wire]
+        cls = {"tensor": ConfusionStore, "numpy": NumpyWireStore, "echo": EchoStore,
+               "push": StoreActor}[load.wire]
         self.store = ray.remote(cls).options(num_cpus=0, **env).remote(
             observed, z0, load.num_classes, load.num_classes, log_capacity=4096)
+        self.fence = ray.get(self.store.open.remote(None)) if load.wire == "push" else None
         self.procs = [Clients.options(**env).remote() for _ in range(client_procs)]
         ray.get([p.__ray_ready__.remote() for p in self.procs] +
                 [self.store.__ray_ready__.remote()])
@@ -211,8 +278,12 @@ class Bench:
         groups = [list(range(i, workers, len(procs))) for i in range(len(procs))]
         self.points += 1
         start_at = time.time() + 0.5
-        futs = [p.run.remote(store, g, load, version, start_at, f"p{self.points}")
-                for p, g in zip(procs, groups)]
+        if load.wire == "push":
+            futs = [p.run_push.remote(store, g, workers, load, self.fence, start_at,
+                                      f"p{self.points}") for p, g in zip(procs, groups)]
+        else:
+            futs = [p.run.remote(store, g, load, version, start_at, f"p{self.points}")
+                    for p, g in zip(procs, groups)]
         time.sleep(max(0.0, start_at + load.warmup - time.time()))
         cpu0, t0 = actor_cpu_seconds(store), time.time()
         outs = ray.get(futs)
@@ -223,6 +294,7 @@ class Bench:
         return {
             "K": load.num_classes, "W": workers, "protocol": protocol_name(load, self.zero_copy),
             "commits_s": done / load.duration,
+            "samples_s": done * load.batch * load.commit_every / load.duration,
             "p50": float(np.percentile(lat, 50)), "p90": float(np.percentile(lat, 90)),
             "p99": float(np.percentile(lat, 99)),
             "req_B": float(np.mean([b for o in outs for b in o["req_bytes"]])),
@@ -235,11 +307,24 @@ class Bench:
 
 
 def inprocess_step_cost(load: Load, *, steps: int, seed: int) -> float:
-    """Seconds per ``ConfusionStore.step`` called directly (one worker, no Ray)."""
+    """Seconds per ``ConfusionStore.step`` (per ``push`` of ``commit_every`` batches, with
+    one other worker's push in the reply) called directly (no Ray)."""
     observed, z0 = make_store_args(load, seed)
     store = ConfusionStore(observed, z0, load.num_classes, load.num_classes)
     rng = np.random.default_rng(seed)
     b, n, k = load.batch, load.num_samples, load.num_classes
+    if load.wire == "push":
+        b *= load.commit_every
+        idxs = [torch.from_numpy(rng.choice(n, b, replace=False).astype(np.int64))
+                for _ in range(steps)]
+        zs = [torch.from_numpy(rng.integers(0, k, b)) for _ in range(steps)]
+        versions = [0, 0]   # two workers taking turns: each reply carries the other's push
+        t0 = time.perf_counter()
+        for i in range(steps):
+            s = store.push(idxs[i], zs[i], since=versions[i % 2], worker=str(i % 2), seq=i,
+                           steps=load.commit_every)
+            versions[i % 2] = s.version
+        return (time.perf_counter() - t0) / steps
     idxs = [torch.from_numpy(rng.choice(n, b, replace=False).astype(np.int64))
             for _ in range(steps + 1)]
     zs = [torch.from_numpy(rng.integers(0, k, b)) for _ in range(steps)]
@@ -252,19 +337,20 @@ def inprocess_step_cost(load: Load, *, steps: int, seed: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-COLUMNS = ("| K | protocol | W | commits/s | p50 ms | p90 ms | p99 ms | request B | reply B "
-           "| deltas/reply | actor CPU | actor CPU/commit |")
+COLUMNS = ("| K | protocol | W | calls/s | samples/s | p50 ms | p90 ms | p99 ms | request B "
+           "| reply B | deltas/reply | actor CPU | actor CPU/call |")
 
 
 def fmt_row(r: dict) -> str:
     return (f"| {r['K']} | {r['protocol']} | {r['W']} | {r['commits_s']:.0f} | "
+            f"{r['samples_s']:.0f} | "
             f"{r['p50']:.2f} | {r['p90']:.2f} | {r['p99']:.2f} | {r['req_B']:.0f} | "
             f"{r['reply_B']:.0f} | {r['deltas']:.0f} | {100 * r['actor_cpu']:.0f}% | "
             f"{r['cpu_per_commit_us']:.0f} us |")
 
 
 def fmt_table(rows: list[dict]) -> str:
-    return "\n".join([COLUMNS, "|" + "---|" * 12, *(fmt_row(r) for r in rows)])
+    return "\n".join([COLUMNS, "|" + "---|" * 13, *(fmt_row(r) for r in rows)])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -275,6 +361,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--naive-workers", type=int, nargs="+", default=[1, 4])
     p.add_argument("--wire-workers", type=int, nargs="+", default=[1, 8],
                    help="W for the wire-format comparison (at the largest K)")
+    p.add_argument("--push-workers", type=int, nargs="+", default=[8, 16, 32],
+                   help="W for the push protocol (each K)")
+    p.add_argument("--commit-every", type=int, nargs="+", default=[8, 32],
+                   help="batches per push call (LCCNConfig.commit_every) to measure")
+    p.add_argument("--only-push", action="store_true",
+                   help="measure the push protocol only (skip the per-step protocols)")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--change", type=float, default=0.2,
                    help="fraction of each batch whose latent label is redrawn")
@@ -290,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.workers, args.naive_workers, args.wire_workers = [1, 4], [1], [4]
+        args.push_workers, args.commit_every = [4], [8]
         args.duration, args.warmup, args.repeats = 1.0, 0.5, 1
 
     torch.set_num_threads(1)
@@ -313,32 +406,41 @@ def main(argv: list[str] | None = None) -> int:
     print(COLUMNS)
     try:
         for k in args.classes:
-            for naive in (False, True):
+            for naive in (() if args.only_push else (False, True)):
                 load = Load(args.samples, k, args.batch, args.change, args.duration,
                             args.warmup, naive=naive)
-                base[(k, naive)] = inprocess_step_cost(load, steps=200 if naive else 2000,
-                                                       seed=args.seed)
+                base[(k, protocol_name(load, False))] = inprocess_step_cost(
+                    load, steps=200 if naive else 2000, seed=args.seed)
                 sweep(load, args.naive_workers if naive else args.workers)
-        k = max(args.classes)
-        load = Load(args.samples, k, args.batch, args.change, args.duration, args.warmup)
-        sweep(load, args.wire_workers, zero_copy=True)
-        sweep(dataclasses.replace(load, wire="numpy"), args.wire_workers)
-        sweep(dataclasses.replace(load, wire="echo"), args.wire_workers)
+            for n in args.commit_every:
+                load = Load(args.samples, k, args.batch, args.change, args.duration,
+                            args.warmup, wire="push", commit_every=n)
+                base[(k, protocol_name(load, False))] = inprocess_step_cost(
+                    load, steps=500, seed=args.seed)
+                sweep(load, args.push_workers)
+        if not args.only_push:
+            k = max(args.classes)
+            load = Load(args.samples, k, args.batch, args.change, args.duration, args.warmup)
+            sweep(load, args.wire_workers, zero_copy=True)
+            sweep(dataclasses.replace(load, wire="numpy"), args.wire_workers)
+            sweep(dataclasses.replace(load, wire="echo"), args.wire_workers)
     finally:
         ray.shutdown()
 
-    summary = ["| K | protocol | ConfusionStore.step in-process | peak commits/s via the actor "
-               "| at W | min actor CPU/commit | commits/s per actor core (1 / CPU per commit) |",
-               "|---|---|---|---|---|---|---|"]
+    summary = ["| K | protocol | store call in-process | peak calls/s via the actor "
+               "| peak samples/s | at W | min actor CPU/call | calls/s per actor core "
+               "(1 / CPU per call) |",
+               "|---|---|---|---|---|---|---|---|"]
     for k in args.classes:
         for proto in dict.fromkeys(r["protocol"] for r in rows if r["K"] == k):
             sel = [r for r in rows if r["K"] == k and r["protocol"] == proto]
-            best = max(sel, key=lambda r: r["commits_s"])
+            best = max(sel, key=lambda r: r["samples_s"])
             cpu = min(r["cpu_per_commit_us"] for r in sel)
-            cost = "-" if proto.startswith("Ray floor") else \
-                f"{base[(k, proto == 'full C')] * 1e6:.0f} us"
+            cost = base.get((k, proto))
+            cost = "-" if cost is None else f"{cost * 1e6:.0f} us"
             summary.append(f"| {k} | {proto} | {cost} | {best['commits_s']:.0f} | "
-                           f"{best['W']} | {cpu:.0f} us | {1e6 / cpu:.0f} |")
+                           f"{best['samples_s']:.0f} | {best['W']} | {cpu:.0f} us | "
+                           f"{1e6 / cpu:.0f} |")
     text = fmt_table(rows) + "\n\n" + "\n".join(summary) + "\n"
     print()
     print(text)

@@ -19,8 +19,8 @@ the shard converter.
 
 Per fault: whether the run survived or stopped with a clear error (the error's first line),
 whether C equals the recount of z afterwards, whether commits were lost or doubled (the
-store's version against one commit per LCCN step and rank plus the initial assignment, and
-its ``refused``/``duplicates`` counters), and the time lost to recovery (wall time minus the
+steps the store applied, its ``steps`` counter, against one per LCCN step and rank plus the
+initial assignment, and its ``refused``/``duplicates`` counters), and the time lost to recovery (wall time minus the
 clean run's). Prints the table; ``--results FILE`` also writes it.
 
     python benchmarks/bench_faults.py [--data DIR] [--results benchmarks/results/faults.md]
@@ -177,7 +177,7 @@ def train_run(root: Path, name: str, *, extra: list[str] | None = None,
     store.check()
     lccn_steps = int(state["lccn_step"])
     out["chain_ok"] = True
-    out["version"] = int(state["store"]["version"])
+    out["version"] = int(state["store"]["steps"])   # steps applied (a push carries several)
     out["expected_version"] = WORKERS * (lccn_steps + 1)
     out["stats"] = res["store"]
     out["resumed"] = (res["metrics"].get("resumed_epoch"), res["metrics"].get("resumed_batch"))
@@ -228,7 +228,7 @@ def summarise(fault: str, how: str, out: dict, base: float) -> Row:
                                 f"{out['resumed'][1]:.0f}" if out["resumed"][0] >= 0 else "")
     row.chain = "C == recount(z)" if out["chain_ok"] else "BROKEN"
     exact = out["version"] == out["expected_version"]
-    row.commits = (f"{'none lost or doubled' if exact else 'MISMATCH'}: version "
+    row.commits = (f"{'none lost or doubled' if exact else 'MISMATCH'}: steps applied "
                    f"{out['version']} = {out['expected_version']} expected; refused "
                    f"{st.get('refused', 0):.0f}, duplicates {st.get('duplicates', 0):.0f}, "
                    f"actor take-overs {st.get('restored', 0):.0f}")
@@ -349,7 +349,8 @@ def data_rows(tmp: Path, tarball: Path) -> list[Row]:
         ok = torch_equal(store.counts, count_matrix(store.z, store.observed, 10, 10))
         r.outcome = "survived (worker loop in one process)"
         r.chain = "C == recount(z)" if ok else "BROKEN"
-        r.commits = (f"version {store.version} = {1 + sum(int(e['steps']) for e in epochs[1:])} "
+        r.commits = (f"steps applied {store.steps} = "
+                     f"{1 + sum(int(e['steps']) for e in epochs[1:])} "
                      f"expected (initial + one per LCCN step)")
         r.notes.append("per epoch: " + "; ".join(
             f"skipped {e['data_skipped_samples']:.0f} sample(s), padded {e['data_padded']:.0f}"
@@ -522,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
           f"clean run, noisy by several seconds).\n\n"
           f"Training runs: the distributed quickstart (digits, {WORKERS} Ray Train workers, "
           f"{EPOCHS} epochs of which {PRETRAIN} CE, checkpoints every {CKPT_EVERY} steps and at "
-          f"every epoch end, `max_failures=2`). 'commits' compares the store's version with "
+          f"every epoch end, `max_failures=2`). 'commits' compares the steps the store applied with "
           f"one commit per LCCN step and rank plus one initial assignment per rank: equal "
           f"means no commit was lost or applied twice relative to the checkpoint the run "
           f"resumed from. Data runs: 1,250 real CIFAR-10 JPEGs as shards of 100.\n\n"

@@ -163,7 +163,7 @@ def make_labeler_step(k: int, args: argparse.Namespace):
     """One trainer step's sampler work (pipeline/loop.py): softmax of the logits,
     GibbsLabeler.sample, GibbsLabeler.commit (store commit + sync of the next batch)."""
     st = State(k, args.n, args.batch, args.seed)
-    labeler = GibbsLabeler(LCCNConfig(alpha=1.0), st.store, st.store.counts, st.store.version,
+    labeler = GibbsLabeler(LCCNConfig(alpha=1.0, commit_every=1), st.store, st.store.counts, st.store.version,
                            phi_init=torch.full((k, k), 1.0 / k, dtype=torch.float64),
                            max_steps=10 ** 9, generator=st.gen)
     cur = st.next_idx()

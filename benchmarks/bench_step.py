@@ -10,6 +10,9 @@ Modes, each run through the real ``train_one_epoch`` and ``GibbsLabeler``:
               after the optimizer step, so the round trip overlaps the next batch's
               loading and forward pass)
   overlapped-numpy  as overlapped, numpy arrays instead of torch tensors on the wire
+  push        LCCNConfig.commit_every = n (``--commit-every``): the real StoreActor and
+              ActorStoreClient; the labeler applies its own moves at once and sends n
+              steps' labels in one call, whose reply it takes once it has arrived
 
 Reported per mode: step time, sampler time (Eq. 7 on the batch), sync time (time the step
 spends on the store: the call itself, or waiting for an overlapped reply), their share of
@@ -18,10 +21,14 @@ over ``--steps`` batches, which includes its epoch-boundary prefetch and flush (
 blocking round trips); modes are interleaved and, per mode, the repetition with the
 shortest step time is kept (other processes on a small shared machine only ever add time).
 "steady store ms/step" is the median time one step spends on the store away from the epoch
-boundaries: the whole call when blocking; submit + wait in ``resolve`` when overlapped.
+boundaries: the whole call when blocking; submit + wait in ``resolve`` when overlapped;
+for push, the mean over steps of the labeler's time in ``commit`` (own moves, buffering,
+the call every n steps) and in taking replies (the epoch-boundary pull of the whole z and C
+and the final flush left out).
 
 With ``--ray-workers 2`` two Ray actors (one torch thread each) train side by side against
-one store actor, as two Train workers would (no DDP gradient sync).
+one store actor, as two Train workers would (no DDP gradient sync), each on its own half of
+the samples (as in an epoch of a real run).
 
     python benchmarks/bench_step.py                      # K = 10 and K = 1000, in-process
     python benchmarks/bench_step.py --ray-workers 2      # adds the two-worker run
@@ -48,12 +55,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pipeline.config import LCCNConfig  # noqa: E402
 from pipeline.confusion_store import ConfusionStore, Sync  # noqa: E402
 from pipeline.lccn import GibbsLabeler  # noqa: E402
+from pipeline.store_actor import ActorStoreClient, StoreActor  # noqa: E402
 from pipeline.loop import train_one_epoch  # noqa: E402
 from pipeline.models import build_model  # noqa: E402
 from pipeline.trainer import Batch  # noqa: E402
 from pipeline.warmup import smoothed_identity  # noqa: E402
 
-MODES = ("ce", "local", "blocking", "overlapped", "overlapped-numpy")
+MODES = ("ce", "local", "blocking", "overlapped", "overlapped-numpy", "push")
 WARMUP_STEPS = 8
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -131,6 +139,48 @@ class OverlappedNumpyStore(OverlappedActorStore):
         return reply
 
 
+class TimedLabeler(GibbsLabeler):
+    """GibbsLabeler recording, per step, its time on the store away from the epoch
+    boundaries: ``commit`` (own moves, buffering, a push every n steps) plus taking replies
+    in ``sample``. ``per_step`` has one entry per step."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.per_step: list[float] = []
+        self._acc, self._outside = 0.0, True
+
+    def prefetch(self, idx) -> None:
+        self._outside = False
+        try:
+            super().prefetch(idx)
+        finally:
+            self._outside = True
+
+    def flush(self) -> float:
+        self._outside = False
+        try:
+            return super().flush()
+        finally:
+            self._outside = True
+
+    def _resolve(self, wait: bool = False) -> float:
+        t0 = time.perf_counter()
+        out = super()._resolve(wait)
+        if self._outside:
+            self._acc += time.perf_counter() - t0
+        return out
+
+    def commit(self, idx, z_new, next_idx) -> None:
+        t0 = time.perf_counter()
+        self._outside = False   # a reply taken inside commit is counted with it
+        try:
+            super().commit(idx, z_new, next_idx)
+        finally:
+            self._outside = True
+        self.per_step.append(self._acc + time.perf_counter() - t0)
+        self._acc = 0.0
+
+
 @dataclass(frozen=True)
 class Setup:
     num_classes: int
@@ -138,6 +188,7 @@ class Setup:
     batch: int
     steps: int
     seed: int
+    commit_every: int = 8
 
 
 def load_images(kind: str, data: Path, count: int, *, seed: int) -> torch.Tensor:
@@ -171,7 +222,8 @@ class Runner:
     ``setup.steps`` batches and returns train_one_epoch's dict."""
 
     def __init__(self, setup: Setup, images: torch.Tensor, *, store_actor=None,
-                 worker: int = 0, threads: int | None = None) -> None:
+                 push_actor=None, worker: int = 0, share: tuple[int, int] = (0, 1),
+                 threads: int | None = None) -> None:
         if threads is not None:
             torch.set_num_threads(threads)
         self.setup = setup
@@ -182,8 +234,9 @@ class Runner:
         self.observed = make_labels(setup)
         self.gen = torch.Generator().manual_seed(setup.seed + worker)
         self.worker = worker
+        self.share = share   # (i, W): this worker trains on samples i, i + W, ...
         self.labelers: dict[str, GibbsLabeler] = {}
-        cfg = LCCNConfig()
+        cfg = LCCNConfig(commit_every=1)   # the per-step modes; "push" sets its own
         phi = smoothed_identity(k, k)
         max_steps = 10 * setup.steps
         if store_actor is None:  # in-process: the local store only
@@ -202,10 +255,20 @@ class Runner:
                     # one id per labeler: the store drops a commit whose seq is not newer
                     # than the last one seen under the same id (its retry protection)
                     worker=f"{worker}-{mode}")
+        if push_actor is not None:
+            client = ActorStoreClient(push_actor)
+            client.join()
+            counts, version = client.snapshot()
+            self.labelers["push"] = TimedLabeler(
+                LCCNConfig(commit_every=setup.commit_every), client, counts, version,
+                phi_init=phi, max_steps=max_steps,
+                generator=torch.Generator().manual_seed(2 + worker), worker=f"{worker}-push")
 
     def batches(self, steps: int | None = None):
         s = self.setup
-        idx_all = torch.randperm(s.num_samples, generator=self.gen)
+        i0, w = self.share
+        mine = torch.arange(i0, s.num_samples, w)
+        idx_all = mine[torch.randperm(mine.numel(), generator=self.gen)]
         pool = self.images.shape[0] // s.batch
         for i in range(s.steps if steps is None else steps):
             idx = idx_all[i * s.batch:(i + 1) * s.batch]
@@ -222,6 +285,9 @@ class Runner:
                               num_classes=self.setup.num_classes)
         calls = getattr(proxy, "per_step", None)
         out["store_p50"] = statistics.median(calls) if calls else float("nan")
+        if isinstance(labeler, TimedLabeler):   # most steps make no call: the mean
+            out["store_p50"] = statistics.fmean(labeler.per_step)
+            labeler.per_step.clear()
         return out
 
 
@@ -229,8 +295,10 @@ class Runner:
 class RayWorker:
     """One simulated Train worker (own process, one torch thread)."""
 
-    def __init__(self, setup: Setup, images: torch.Tensor, store_actor, worker: int) -> None:
-        self.runner = Runner(setup, images, store_actor=store_actor, worker=worker, threads=1)
+    def __init__(self, setup: Setup, images: torch.Tensor, store_actor, push_actor,
+                 worker: int, share: tuple[int, int]) -> None:
+        self.runner = Runner(setup, images, store_actor=store_actor, push_actor=push_actor,
+                             worker=worker, share=share, threads=1)
 
     def run(self, mode: str, steps: int | None = None) -> dict[str, float]:
         return self.runner.run(mode, steps)
@@ -277,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="torch threads in this process (1 leaves a core to Ray and the actor)")
     p.add_argument("--ray-workers", type=int, default=0,
                    help="also run blocking/overlapped with this many Ray worker actors")
+    p.add_argument("--commit-every", type=int, default=8,
+                   help="LCCNConfig.commit_every of the push mode")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
+                   help="modes to measure (ce is always measured: the reference)")
     p.add_argument("--num-cpus", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="write the markdown tables here")
@@ -294,30 +366,37 @@ def main(argv: list[str] | None = None) -> int:
     tables = []
     try:
         for k, n in zip(args.classes, args.samples):
-            setup = Setup(k, n, args.batch, args.steps, args.seed)
+            setup = Setup(k, n, args.batch, args.steps, args.seed, args.commit_every)
             observed = make_labels(setup)
             actor = ray.remote(NumpyWireStore).options(num_cpus=0).remote(
                 observed, observed.clone(), k, k, log_capacity=8192)
+            push_actor = ray.remote(StoreActor).options(num_cpus=0).remote(
+                observed, observed.clone(), k, k)
+            ray.get(push_actor.open.remote(None))
             local = Runner(setup, images)
-            remote = Runner(setup, images, store_actor=actor)
+            remote = Runner(setup, images, store_actor=actor, push_actor=push_actor)
             remote.model, remote.opt = local.model, local.opt   # one model for all modes
             run = {"ce": local.run, "local": local.run, "blocking": remote.run,
-                   "overlapped": remote.run, "overlapped-numpy": remote.run}
-            results: dict[str, list[dict]] = {m: [] for m in MODES}
+                   "overlapped": remote.run, "overlapped-numpy": remote.run,
+                   "push": remote.run}
+            modes = ["ce", *(m for m in args.modes if m != "ce")]
+            results: dict[str, list[dict]] = {m: [] for m in modes}
             for rep in range(args.reps + 1):          # rep 0 warms up and is dropped
-                for mode in MODES:
+                for mode in modes:
                     r = run[mode](mode, None if rep else WARMUP_STEPS)
                     if rep:
                         results[mode].append(r)
-            title = (f"K = {k}, N = {n}, batch {args.batch}, {args.steps} steps x "
+            title = (f"K = {k}, N = {n}, batch {args.batch}, push commit_every "
+                     f"{args.commit_every}, {args.steps} steps x "
                      f"{args.reps} reps, in-process, torch threads {torch.get_num_threads()}")
             tables.append(fmt(title, summarise(results)))
             print(tables[-1] + "\n", flush=True)
 
             if args.ray_workers:
-                workers = [RayWorker.remote(setup, images, actor, 1 + i)   # 0 = this process
+                workers = [RayWorker.remote(setup, images, actor, push_actor, 1 + i,
+                                            (i, args.ray_workers))   # 0 = this process
                            for i in range(args.ray_workers)]
-                results = {m: [] for m in ("ce", "blocking", "overlapped", "overlapped-numpy")}
+                results = {m: [] for m in modes if m != "local"}
                 for rep in range(args.reps + 1):
                     for mode in results:
                         outs = ray.get([w.run.remote(mode, None if rep else WARMUP_STEPS)
@@ -326,16 +405,18 @@ def main(argv: list[str] | None = None) -> int:
                             results[mode].extend(outs)
                 for w in workers:
                     ray.kill(w)
-                title = (f"K = {k}: {args.ray_workers} Ray worker actors (1 torch thread each) "
+                title = (f"K = {k}, push commit_every {args.commit_every}: "
+                         f"{args.ray_workers} Ray worker actors (1 torch thread each) "
                          f"sharing one store actor, per-worker figures")
                 tables.append(fmt(title, summarise(results)))
                 print(tables[-1] + "\n", flush=True)
-            ray.get(actor.check.remote())            # C still equals the recount of z
-            dups = ray.get(actor.__ray_call__.remote(lambda store: store.duplicates))
-            if dups:
-                raise RuntimeError(f"the store dropped {dups} commits as duplicates: two "
-                                   f"labelers shared a worker id")
-            ray.kill(actor)
+            for a in (actor, push_actor):
+                ray.get(a.check.remote())            # C still equals the recount of z
+                dups = ray.get(a.__ray_call__.remote(lambda store: store.duplicates))
+                if dups:
+                    raise RuntimeError(f"the store dropped {dups} commits as duplicates: two "
+                                       f"labelers shared a worker id")
+                ray.kill(a)
     finally:
         ray.shutdown()
     footer = (f"machine: {platform.machine()}, {os.cpu_count()} cores, torch "

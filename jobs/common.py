@@ -169,6 +169,9 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
     m.add_argument("--ramp", type=float, default=preset.ramp,
                    help="fraction of the LCCN phase over which the LCCN target's weight rises "
                         "from 0 to 1 (LCCNConfig.ramp; 0 = the paper)")
+    m.add_argument("--commit-every", type=int, default=LCCNConfig.commit_every,
+                   help="each worker sends its sampled labels to the confusion actor once "
+                        "every this many steps (LCCNConfig.commit_every; 1: every step)")
     m.add_argument("--stop-on-collapse", action="store_true",
                    help="stop the run when the collapse monitor fires (default: warn)")
     m.add_argument("--anneal", action=argparse.BooleanOptionalAction, default=preset.anneal,
@@ -217,7 +220,8 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         lccn=LCCNConfig(alpha=args.alpha, warmup_steps=args.warmup_steps, warmup=args.warmup,
                         targets=args.targets, ramp=args.ramp, anneal=anneal,
                         outlier=args.outlier,
-                        use_trusted=args.trusted_fraction > 0),
+                        use_trusted=args.trusted_fraction > 0,
+                        commit_every=args.commit_every),
         monitor=MonitorConfig(stop=args.stop_on_collapse),
         perf=PerfConfig(compile=getattr(args, "compile", "off"), amp=getattr(args, "amp", "auto")),
         val_fraction=args.val_fraction)

@@ -8,6 +8,11 @@ actor. The protocol is built for that:
   fetches what the worker needs for its next batch (their current ``z``) plus the count
   deltas other workers applied since the worker's last sync: the payload grows with the
   batch, not with ``K²``;
+- or one call per *several* steps, :meth:`ConfusionStore.push`: the worker keeps ``z`` of
+  its own samples and applies its own moves to its replica at once, sends the labels of
+  ``steps`` batches in one commit and gets back only the deltas of the *other* workers
+  (its own are left out: it already has them), optionally with the whole ``z`` (once per
+  epoch, to start the epoch from the store's state);
 - a commit carries ``(worker, seq)``; a retried or replayed commit (``seq`` not newer than
   the last one applied for that worker) is ignored, and the delta itself is computed from
   the stored ``z`` so applying the same assignment twice moves nothing: every delta is
@@ -39,6 +44,8 @@ class Sync:
     delta_obs, delta_old, delta_new: (D,) int64 moves ``[old, obs] -> [new, obs]`` applied
         since the caller's ``since`` version, in order; or ``counts`` (K_latent, K) when the
         caller is too far behind for the log (then the delta arrays are empty).
+    others: training steps of other workers carried by the deltas (what the caller's
+        replica had not seen: its staleness); -1 when unknown (:meth:`ConfusionStore.sync`).
     """
 
     z: Tensor
@@ -47,6 +54,7 @@ class Sync:
     delta_old: Tensor
     delta_new: Tensor
     counts: Tensor | None = None
+    others: int = -1
 
     def apply_to(self, local_counts: Tensor) -> Tensor:
         """Bring a worker's replica of C up to ``version`` in place."""
@@ -79,8 +87,11 @@ class ConfusionStore:
         self.k_latent, self.num_classes = int(k_latent), int(num_classes)
         self.counts = count_matrix(z, observed, self.k_latent, self.num_classes, counted=counted)
         self.version = 0
+        self.steps = 0  # training steps whose labels were applied (a push carries several)
         self.last_seq: dict[str, int] = {}
-        self._log: deque[tuple[int, Tensor, Tensor, Tensor]] = deque(maxlen=log_capacity)
+        # (version, obs, old, new, worker, steps) of each recent commit
+        self._log: deque[tuple[int, Tensor, Tensor, Tensor, str, int]] = deque(
+            maxlen=log_capacity)
         self.duplicates = 0
 
     def __len__(self) -> int:
@@ -88,15 +99,21 @@ class ConfusionStore:
 
     # -- the worker protocol ------------------------------------------------------------------
 
-    def commit(self, idx: Tensor, z_new: Tensor, *, worker: str = "0", seq: int | None = None) -> int:
+    def commit(self, idx: Tensor, z_new: Tensor, *, worker: str = "0", seq: int | None = None,
+               steps: int = 1) -> int:
         """Set ``z[idx] = z_new`` and move the counts; returns the new version.
 
         idx, z_new: (B,) int64. Entries of samples that are not counted are ignored. A
         commit whose ``seq`` is not newer than the last applied for ``worker`` is a retry:
-        nothing changes and it is counted in :attr:`duplicates`.
+        nothing changes and it is counted in :attr:`duplicates`. ``steps``: how many
+        training steps the commit carries (1, or the batches of a :meth:`push`): added to
+        :attr:`steps` (every step applied exactly once: ``steps`` = steps trained) and used
+        for the staleness figures.
         """
         idx = torch.as_tensor(idx, dtype=torch.int64)
         z_new = torch.as_tensor(z_new, dtype=torch.int64)
+        if steps < 0:
+            raise ValueError(f"steps must be >= 0, got {steps}")
         if idx.shape != z_new.shape or idx.ndim != 1:
             raise ValueError(f"idx and z_new must both be (B,), got {tuple(idx.shape)} and "
                              f"{tuple(z_new.shape)}")
@@ -129,7 +146,8 @@ class ConfusionStore:
         else:
             obs = old = new = torch.empty(0, dtype=torch.int64)
         self.version += 1
-        self._log.append((self.version, obs, old, new))
+        self.steps += int(steps)
+        self._log.append((self.version, obs, old, new, worker, int(steps)))
         return self.version
 
     def sync(self, idx: Tensor, *, since: int) -> Sync:
@@ -143,15 +161,62 @@ class ConfusionStore:
         if since < 0 or since > self.version or since + 1 < oldest:
             e = torch.empty(0, dtype=torch.int64)
             return Sync(z, self.version, e, e, e, counts=self.counts.clone())
-        parts = [entry for entry in self._log if entry[0] > since]
+        parts = self._since(since)
         return Sync(z, self.version, torch.cat([p[1] for p in parts]),
                     torch.cat([p[2] for p in parts]), torch.cat([p[3] for p in parts]))
+
+    def _since(self, since: int) -> list:
+        """The log entries after version ``since``, oldest first (walks only those)."""
+        out = []
+        for entry in reversed(self._log):
+            if entry[0] <= since:
+                break
+            out.append(entry)
+        out.reverse()
+        return out
 
     def step(self, idx: Tensor, z_new: Tensor, next_idx: Tensor, *, since: int,
              worker: str = "0", seq: int | None = None) -> Sync:
         """Commit a batch and sync for the next one in a single call (one round trip)."""
         self.commit(idx, z_new, worker=worker, seq=seq)
         return self.sync(next_idx, since=since)
+
+    def push(self, idx: Tensor, z_new: Tensor, *, since: int, worker: str, seq: int,
+             steps: int = 1, full_z: bool = False) -> Sync:
+        """Commit the labels of ``steps`` batches at once and return what the caller's
+        replica misses: the moves of the *other* workers' commits after version ``since``
+        (the caller applied its own when it made them), or the whole ``counts`` when
+        ``since`` is out of the log (-1 asks for them). ``z`` of the reply is the whole
+        ``(N,)`` z when ``full_z`` (the start of an epoch), else empty. ``others`` = the
+        other workers' steps in the reply (the replica's staleness).
+
+        Exactly-once as :meth:`commit`: a replayed ``(worker, seq)`` changes nothing (its
+        reply still carries the other workers' deltas).
+        """
+        if steps or torch.as_tensor(idx).numel():  # an empty push (a pull) is no commit
+            self.commit(idx, z_new, worker=worker, seq=seq, steps=steps)
+        return self.sync_others(since=since, worker=worker, full_z=full_z)
+
+    def sync_others(self, *, since: int, worker: str, full_z: bool = False) -> Sync:
+        """The reply of :meth:`push` without a commit (see there)."""
+        z = self.z.clone() if full_z else torch.empty(0, dtype=torch.int64)
+        e = torch.empty(0, dtype=torch.int64)
+        if since == self.version:
+            return Sync(z, self.version, e, e, e, others=0)
+        oldest = self._log[0][0] if self._log else self.version + 1
+        if since < 0 or since > self.version or since + 1 < oldest:
+            return Sync(z, self.version, e, e, e, counts=self.counts.clone(), others=-1)
+        parts = [entry for entry in self._since(since) if entry[4] != worker]
+        if not parts:
+            return Sync(z, self.version, e, e, e, others=0)
+        return Sync(z, self.version, torch.cat([p[1] for p in parts]),
+                    torch.cat([p[2] for p in parts]), torch.cat([p[3] for p in parts]),
+                    others=sum(p[5] for p in parts))
+
+    def layout(self) -> tuple[Tensor, Tensor]:
+        """``(observed (N,) int64, counted (N,) bool)``: what never changes in a run (a
+        worker that keeps its own samples' z applies its own moves with them)."""
+        return self.observed.clone(), self.counted.clone()
 
     # -- views --------------------------------------------------------------------------------
 
@@ -167,7 +232,8 @@ class ConfusionStore:
         return {"observed": self.observed.clone(), "z": self.z.clone(),
                 "counted": self.counted.clone(), "counts": self.counts.clone(),
                 "k_latent": self.k_latent, "num_classes": self.num_classes,
-                "version": self.version, "last_seq": dict(self.last_seq)}
+                "version": self.version, "steps": self.steps,
+                "last_seq": dict(self.last_seq)}
 
     def load_state_dict(self, state: dict) -> None:
         """Go back to a checkpointed ``state`` in place (same split: same ``observed`` and
@@ -189,6 +255,7 @@ class ConfusionStore:
             raise ValueError("checkpointed C does not equal the recount of its z: corrupt state")
         self.z, self.counts = z, counts
         self.version = int(state["version"])
+        self.steps = int(state.get("steps", self.version))  # older states: a step per commit
         self.last_seq = dict(state["last_seq"])
         self._log.clear()
 
@@ -199,5 +266,6 @@ class ConfusionStore:
         if not torch.equal(store.counts, state["counts"]):
             raise ValueError("checkpointed C does not equal the recount of its z: corrupt state")
         store.version = int(state["version"])
+        store.steps = int(state.get("steps", store.version))
         store.last_seq = dict(state["last_seq"])
         return store

@@ -25,12 +25,13 @@ Per worker::
         every ``checkpoint_every`` steps and at the end of the epoch: checkpoint
     rank 0 logs to MLflow (metrics, transition heat map, final CSV and checkpoint)
 
-Checkpoint = one consistent moment: every rank flushes its labeler (its last commit is
-applied), barrier, rank 0 reads the store's state through ``check_state`` (invariants
-checked by the store) and writes ``state.pt`` (networks, optimizers, schedulers, epoch,
-batch position, global step, the method's state: LCCN step, phi_init, monitor; store state,
-MLflow run id, history); every rank then calls ``report`` (a barrier: no rank commits
-again before rank 0 has read the store).
+Checkpoint = one consistent moment: every rank flushes its labeler (the steps it still
+buffers with ``commit_every > 1`` are sent, and its last commit is applied), barrier, rank 0
+reads the store's state through ``check_state`` (invariants checked by the store) and writes
+``state.pt`` (networks, optimizers, schedulers, epoch, batch position, global step, the
+method's state: LCCN step, phi_init, monitor; store state, MLflow run id, history); every
+rank then calls ``report`` (a barrier: no rank commits again before rank 0 has read the
+store).
 
 Randomness: model init from ``run.seed``; data order and augmentation from the loader
 (seed, epoch, rank); the Gibbs step of LCCN step s on rank r draws from a generator seeded

@@ -13,6 +13,14 @@ Per step::
 
 Staleness = commits applied by the store that the replica had not seen when it sampled
 (0 with one worker). Trusted samples (LCCN+) keep their clean label and send no count.
+
+With ``LCCNConfig.commit_every = n > 1`` the labeler calls the store once every ``n`` steps
+instead (:meth:`ConfusionStore.push`): at the start of an epoch (:meth:`GibbsLabeler.prefetch`)
+it takes the store's whole ``z`` and C; in the epoch every sample belongs to one worker, so
+``z_old`` of its next batches is its own copy, and it applies its own moves to its replica
+as it makes them; every ``n`` steps it sends the buffered labels in one call, whose reply
+(awaited when it has arrived, or at :meth:`GibbsLabeler.flush`) brings the other workers'
+moves. Staleness is then the number of the other workers' steps in that reply.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import torch
 from torch import Tensor
 
 from pipeline.config import LCCNConfig
-from pipeline.confusion import as_alpha
+from pipeline.confusion import apply_delta_, as_alpha
 from pipeline.confusion_store import Sync
 from pipeline.sampler import anneal_gamma, gibbs_draw, gibbs_posterior, sample_categorical
 
@@ -38,6 +46,10 @@ class Store(Protocol):
     def sync(self, idx: Tensor, *, since: int) -> Sync: ...
     def step(self, idx: Tensor, z_new: Tensor, next_idx: Tensor, *, since: int,
              worker: str = "0", seq: int | None = None) -> Any: ...
+    # commit_every > 1 only:
+    def push(self, idx: Tensor, z_new: Tensor, *, since: int, worker: str, seq: int,
+             steps: int = 1, full_z: bool = False) -> Any: ...
+    def layout(self) -> tuple[Tensor, Tensor]: ...
 
 
 @dataclass
@@ -102,8 +114,17 @@ class GibbsLabeler:
         self.seq = 0
         self.step_count = 0
         self._pending: tuple[Tensor, Tensor] | None = None  # (idx, z_old) of the next batch
-        self._inflight: tuple[Any, Tensor, int] | None = None  # (step reply, next_idx, version)
+        # (reply, next_idx, version when sent, is a push)
+        self._inflight: tuple[Any, Tensor | None, int, bool] | None = None
         self._staleness = 0
+        # commit_every > 1: the store's z and layout, the buffered (idx, z_new) of the steps
+        # not sent yet, and the moves applied to the replica since the last push was sent
+        self.commit_every = int(getattr(cfg, "commit_every", 1))
+        self._z: Tensor | None = None
+        self._observed: Tensor | None = None
+        self._counted: Tensor | None = None
+        self._buf: list[tuple[Tensor, Tensor]] = []
+        self._moves: list[tuple[Tensor, Tensor, Tensor]] = []
 
     def gamma(self) -> float:
         if not self.cfg.anneal:
@@ -119,28 +140,89 @@ class GibbsLabeler:
         return min(1.0, (self.step_count + 1) / (self.cfg.ramp * self.max_steps))
 
     def prefetch(self, idx: Tensor) -> None:
-        """Sync ``z`` of the first batch (and the replica) before the first :meth:`sample`."""
-        self._resolve()
-        self._absorb(self.store.sync(idx, since=self.version), idx)
+        """Sync ``z`` of the first batch (and the replica) before the first :meth:`sample`.
+
+        With ``commit_every > 1`` (the start of an epoch): send what is buffered and take the
+        store's whole ``z`` and C (the replica starts the epoch exact)."""
+        self._resolve(wait=True)
+        if self.commit_every == 1:
+            self._absorb(self.store.sync(idx, since=self.version), idx)
+            return
+        if self._observed is None:
+            self._observed, self._counted = self.store.layout()
+        self._send(full_z=True, since=-1)
+        self._resolve(wait=True)
+        self._pending = (idx, self._z[idx])
 
     def _absorb(self, sync: Sync, idx: Tensor) -> None:
         sync.apply_to(self.counts)
         self.version = sync.version
         self._pending = (idx, sync.z)
 
-    def _resolve(self) -> float:
-        """Wait for the reply of the last commit, if any; returns the seconds waited."""
+    def _resolve(self, wait: bool = False) -> float:
+        """Take the reply of the last commit, if any; returns the seconds waited. A step
+        reply is always waited for; a push reply only with ``wait`` or once it has arrived
+        (the store client's ``done``), so a slow store never stalls a step."""
         if self._inflight is None:
             return 0.0
-        reply, nxt, before = self._inflight
+        reply, nxt, before, push = self._inflight
+        if (push and not wait and not isinstance(reply, Sync)
+                and hasattr(self.store, "done") and not self.store.done(reply)):
+            return 0.0
         self._inflight = None
         t0 = time.perf_counter()
         sync = reply if isinstance(reply, Sync) else self.store.resolve(reply)
         waited = time.perf_counter() - t0
+        if push:
+            self._absorb_push(sync)
+            return waited
         # our own commit advanced the version by one; the rest came from other workers
         self._staleness = max(0, sync.version - before - 1)
         self._absorb(sync, nxt)
         return waited
+
+    def _absorb_push(self, sync: Sync) -> None:
+        """Bring the replica up to a push reply: the other workers' moves, or the whole C
+        plus our own moves made since the push was sent (they are not in it yet)."""
+        if sync.counts is not None:
+            self.counts.copy_(sync.counts)
+            for obs, old, new in self._moves:
+                apply_delta_(self.counts, obs, old, new)
+        elif sync.delta_obs.numel():
+            apply_delta_(self.counts, sync.delta_obs, sync.delta_old, sync.delta_new)
+        if sync.z.numel():
+            self._z = sync.z.clone()
+        self.version = sync.version
+        if sync.others >= 0:
+            self._staleness = sync.others
+
+    def _send(self, *, full_z: bool = False, since: int | None = None) -> None:
+        """Push the buffered steps' labels in one call (the reply is taken later)."""
+        if self._buf:
+            idx = torch.cat([b[0] for b in self._buf])
+            z_new = torch.cat([b[1] for b in self._buf])
+        else:
+            idx = z_new = torch.empty(0, dtype=torch.int64)
+        reply = self.store.push(idx, z_new, since=self.version if since is None else since,
+                                worker=self.worker, seq=self.seq, steps=len(self._buf),
+                                full_z=full_z)
+        self._inflight = (reply, None, self.version, True)
+        self.seq += 1
+        self._buf, self._moves = [], []
+
+    def _apply_own(self, idx: Tensor, z_new: Tensor) -> None:
+        """Our own moves, into the replica and our copy of z at once (counted samples)."""
+        idx, z_new = idx.long(), z_new.long()
+        keep = self._counted[idx]
+        if not bool(keep.all()):
+            idx, z_new = idx[keep], z_new[keep]
+        z_old = self._z[idx]
+        moved = z_old != z_new
+        if bool(moved.any()):
+            move = (self._observed[idx][moved], z_old[moved], z_new[moved])
+            apply_delta_(self.counts, *move)
+            self._moves.append(move)
+        self._z[idx] = z_new
 
     def sample(self, probs: Tensor, observed: Tensor, idx: Tensor) -> tuple[Tensor, SampleStats]:
         """Latent labels ``(B,) int64`` for a batch whose ``z`` was prefetched or requested
@@ -218,14 +300,33 @@ class GibbsLabeler:
 
     def commit(self, idx: Tensor, z_new: Tensor, next_idx: Tensor | None) -> None:
         """Send the batch's labels and ask for ``z`` of ``next_idx``; does not wait for the
-        reply (the next :meth:`sample` or :meth:`flush` does)."""
+        reply (the next :meth:`sample` or :meth:`flush` does).
+
+        With ``commit_every > 1``: apply the batch's moves to the replica, buffer its labels
+        and send the buffer once it holds ``commit_every`` steps."""
         nxt = next_idx if next_idx is not None else idx[:0]
-        reply = self.store.step(idx, z_new, nxt, since=self.version, worker=self.worker,
-                                seq=self.seq)
-        self._inflight = (reply, nxt, self.version)
-        self.seq += 1
+        if self.commit_every == 1:
+            reply = self.store.step(idx, z_new, nxt, since=self.version, worker=self.worker,
+                                    seq=self.seq)
+            self._inflight = (reply, nxt, self.version, False)
+            self.seq += 1
+            self.step_count += 1
+            return
+        if self._z is None:
+            raise RuntimeError("commit() with commit_every > 1 needs prefetch() first")
+        self._apply_own(idx, z_new)
+        self._buf.append((idx.long(), z_new.long()))
         self.step_count += 1
+        self._pending = (nxt, self._z[nxt])
+        if len(self._buf) >= self.commit_every:
+            self._resolve(wait=True)  # one call in flight at a time (sent n steps ago)
+            self._send()
 
     def flush(self) -> float:
-        """Wait for the last commit (end of an epoch, before a checkpoint)."""
-        return self._resolve()
+        """Wait for the last commit (end of an epoch, before a checkpoint): everything
+        committed so far is applied by the store when this returns."""
+        waited = self._resolve(wait=True)
+        if self._buf:
+            self._send()
+            waited += self._resolve(wait=True)
+        return waited

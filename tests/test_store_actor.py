@@ -217,3 +217,249 @@ def test_non_finite_logits_stop_training_at_the_forward_pass():
     model(torch.ones(2, 3))  # finite: passes
     with pytest.raises(NonFiniteError, match="rank 1: 6 non-finite logits in forward pass 2"):
         model(torch.tensor([[float("nan"), 0.0, 0.0], [0.0, float("inf"), 0.0]]))
+
+
+# -- the push protocol (LCCNConfig.commit_every > 1) ------------------------------------------
+
+
+def _push_store(n=600, k=4, seed=0, trusted_every=0):
+    g = torch.Generator().manual_seed(seed)
+    observed = torch.randint(0, k, (n,), generator=g)
+    counted = None
+    if trusted_every:
+        counted = torch.arange(n) % trusted_every != 0
+    return StoreActor(observed, observed.clone(), k, k, counted=counted, log_capacity=64)
+
+
+def _labelers(clients, n: int, *, seed: int = 0, trusted=None, clean=None):
+    from pipeline.lccn import GibbsLabeler
+    from pipeline.warmup import smoothed_identity
+
+    clients[0].open(None)
+    for c in clients[1:]:
+        c.join()
+    counts, version = clients[0].snapshot()
+    k = counts.shape[0]
+    cfg = LCCNConfig(commit_every=n, use_trusted=trusted is not None)
+    return [GibbsLabeler(cfg, c, counts, version, phi_init=smoothed_identity(k, k),
+                         max_steps=100, generator=torch.Generator().manual_seed(seed + r),
+                         trusted=trusted, clean=clean, worker=f"r{r}.{c.fence[:8]}")
+            for r, c in enumerate(clients)]
+
+
+def _epoch(labelers, observed, epoch, *, batch=16, stop_after=None, drawn=None):
+    """One epoch, each worker its own share of the samples, steps interleaved round-robin;
+    every worker flushes at the end (the checkpoint barrier). Returns the steps taken."""
+    n, w = observed.numel(), len(labelers)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(100 + epoch))
+    batches = [[s[i:i + batch] for i in range(0, s.numel(), batch)]
+               for s in (perm[r::w] for r in range(w))]
+    for lab, b in zip(labelers, batches):
+        lab.prefetch(b[0])
+    steps = 0
+    for i in range(max(len(b) for b in batches)):
+        for r, lab in enumerate(labelers):
+            if i >= len(batches[r]):
+                continue
+            idx = batches[r][i]
+            g = torch.Generator().manual_seed(10_000 * epoch + 100 * i + r)
+            probs = torch.softmax(3 * torch.randn(idx.numel(), lab.k_latent, generator=g), 1)
+            z, _ = lab.sample(probs, observed[idx], idx)
+            if drawn is not None:
+                drawn[idx] = z
+            lab.commit(idx, z, batches[r][i + 1] if i + 1 < len(batches[r]) else None)
+            steps += 1
+            if stop_after is not None and steps == stop_after:
+                return steps
+    for lab in labelers:
+        lab.flush()
+    return steps
+
+
+@pytest.mark.parametrize("trusted_every", [0, 5])
+def test_push_keeps_c_equal_to_recount_and_every_label_once(trusted_every):
+    """Three workers, commit_every 4: after every epoch C equals the recount of z, z holds
+    exactly the labels the workers drew (nothing lost, nothing from an older draw), each
+    push is one version, and after the next epoch's prefetch every replica equals C."""
+    store = _push_store(trusted_every=trusted_every)
+    observed = store.observed
+    trusted = clean = None
+    if trusted_every:
+        trusted, clean = ~store.counted, observed.clone()
+    labelers = _labelers([LocalStoreClient(store) for _ in range(3)], 4, trusted=trusted,
+                         clean=clean)
+    drawn = store.z.clone()
+    staleness = []
+    for epoch in range(3):
+        _epoch(labelers, observed, epoch, drawn=drawn)
+        store.check()
+        want = drawn if trusted is None else torch.where(trusted, store.z, drawn)
+        assert torch.equal(store.z, want)
+        staleness += [lab._staleness for lab in labelers]
+    pushes = sum(lab.seq for lab in labelers) - 3 * 3  # less one empty pull per epoch
+    assert store.version == pushes and store.duplicates == 0
+    for lab in labelers:
+        # own moves applied locally + the other workers' deltas = C, without a full copy
+        lab._send()  # an empty push: a pull of the deltas since the replica's version
+        lab._resolve(wait=True)
+        assert torch.equal(lab.counts, store.counts)
+        lab.prefetch(torch.arange(3))  # the next epoch starts from the store's exact z
+        assert torch.equal(lab._z, store.z)
+    assert max(staleness) > 0  # the other workers' steps arrive late, and are counted
+
+
+def test_one_worker_samples_the_same_chain_for_any_commit_every():
+    """Own moves reach the replica at once: one worker draws the same labels whether it
+    calls the store every step or every 5 steps."""
+    out = {}
+    for n in (1, 5):
+        store = _push_store()
+        labelers = _labelers([LocalStoreClient(store)], n)
+        drawn = store.z.clone()
+        for epoch in range(3):
+            _epoch(labelers, store.observed, epoch, drawn=drawn)
+        store.check()
+        out[n] = (drawn, store.z.clone(), store.counts.clone(), labelers[0].seq)
+    assert torch.equal(out[1][0], out[5][0]) and torch.equal(out[1][1], out[5][1])
+    assert torch.equal(out[1][2], out[5][2])
+    assert out[5][3] < out[1][3] / 4  # ~5x fewer calls (plus one pull per epoch)
+
+
+class _ReplayingClient(LocalStoreClient):
+    """Every push is delivered twice (a retry after a lost reply): the caller gets the
+    retry's reply, as from a task Ray re-executed."""
+
+    def push(self, *args, **kwargs):
+        super().push(*args, **kwargs)
+        return super().push(*args, **kwargs)
+
+
+def test_replayed_pushes_are_applied_once():
+    ref = _push_store()
+    labelers = _labelers([LocalStoreClient(ref) for _ in range(2)], 3)
+    for epoch in range(2):
+        _epoch(labelers, ref.observed, epoch)
+    store = _push_store()
+    labelers = _labelers([_ReplayingClient(store) for _ in range(2)], 3)
+    for epoch in range(2):
+        _epoch(labelers, store.observed, epoch)
+    store.check()
+    pushes = sum(lab.seq for lab in labelers)
+    assert store.duplicates == pushes - 2 * 2  # the empty pulls at each prefetch commit nothing
+    assert store.version == ref.version
+    assert torch.equal(store.z, ref.z) and torch.equal(store.counts, ref.counts)
+
+
+def test_killed_worker_with_unsent_steps_and_a_late_push_from_its_group():
+    """Checkpoint mid-epoch (all flushed), worker 1 dies with steps buffered but unsent,
+    worker 0's next push (old fence) is refused; the group restarts from the checkpoint,
+    redoes the epoch and the store holds exactly the restarted group's labels."""
+    store = _push_store()
+    observed = store.observed
+    labelers = _labelers([LocalStoreClient(store) for _ in range(2)], 4)
+    _epoch(labelers, observed, 0)
+    saved = store.check_state()
+    _epoch(labelers, observed, 1, stop_after=11)  # mid-epoch: both hold unsent steps
+    assert all(lab._buf for lab in labelers) and store.version > saved["version"]
+    dead = labelers[0]
+    labelers = _labelers([LocalStoreClient(store) for _ in range(2)], 4, seed=7)  # restart
+    store.open(saved)  # rank 0 restores the checkpoint (the helper opened once already)
+    for lab in labelers:
+        lab.store.join()
+        lab.counts, lab.version = lab.store.snapshot()
+        lab.worker = f"{lab.worker.split('.')[0]}.{lab.store.fence[:8]}"
+    with pytest.raises(FenceError, match="commit with fence"):
+        dead.flush()
+    assert store.version == saved["version"]
+    drawn = store.z.clone()
+    _epoch(labelers, observed, 1, drawn=drawn)
+    store.check()
+    assert torch.equal(store.z, drawn)
+    assert store.version == saved["version"] + sum(lab.seq for lab in labelers) - 2
+
+
+@pytest.mark.parametrize("commit_every", [1, 4])
+def test_push_is_refused_after_a_restart(commit_every):
+    store = _push_store()
+    client = LocalStoreClient(store)
+    fence = client.open(None)
+    client.push(torch.tensor([0, 1]), torch.tensor([2, 2]), since=0, worker="w", seq=0,
+                steps=commit_every)
+    _restart_like(store)
+    with pytest.raises(FenceError, match="commit with fence .* refused.*restarted"):
+        client.push(torch.tensor([2]), torch.tensor([1]), since=1, worker="w", seq=1)
+    store.open(None)
+    with pytest.raises(FenceError, match=f"commit with fence {fence[:8]} refused"):
+        client.push(torch.tensor([2]), torch.tensor([1]), since=1, worker="w", seq=1)
+    assert store.version == 0 and store.refused == 2
+
+
+def test_push_packed_round_trips_and_packs_small():
+    """The Ray client's wire format: int16 labels and moves, int32 counts, back to int64."""
+    import numpy as np
+
+    from pipeline.store_actor import unpack_sync
+
+    a, b = _push_store(), _push_store()
+    fa, fb = a.open(None), b.open(None)
+    for store, fence in ((a, fa), (b, fb)):
+        store.push(torch.tensor([0, 1, 2]), torch.tensor([3, 3, 3]), since=0, worker="x",
+                   seq=0, fence=fence)
+    want = a.push(torch.tensor([5, 6]), torch.tensor([1, 2]), since=0, worker="w", seq=0,
+                  steps=2, full_z=True, fence=fa)
+    packed = b.push_packed(np.array([5, 6]), np.array([1, 2]), since=0, worker="w", seq=0,
+                           steps=2, full_z=True, fence=fb)
+    assert packed[0].dtype == np.int16 and packed[2].dtype == np.int16
+    got = unpack_sync(packed)
+    assert got.version == want.version == 2 and got.others == want.others == 1
+    for name in ("z", "delta_obs", "delta_old", "delta_new"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+        assert getattr(got, name).dtype == torch.int64
+    assert got.delta_obs.numel() == int((a.observed[:3] != 3).sum())  # only x's moves
+    full = unpack_sync(b.push_packed(np.array([], dtype=np.int64), np.array([], dtype=np.int64),
+                                     since=-1, worker="w", seq=1, steps=0, fence=fb))
+    assert full.counts.dtype == torch.int64 and torch.equal(full.counts, b.counts)
+    assert b.version == 2  # an empty pull commits nothing
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True])
+def test_commit_every_must_be_a_positive_integer(bad):
+    with pytest.raises(ValueError, match=f"commit_every must be an integer >= 1, got {bad!r}"):
+        LCCNConfig(commit_every=bad)
+
+
+@pytest.mark.ray
+def test_push_over_a_real_actor_keeps_the_chain_and_is_fenced(ray_local):
+    """Two labelers push through ActorStoreClient (packed int16/int32 arrays, replies taken
+    when they have arrived): C == recount(z), z holds every drawn label, the replicas
+    catch up exactly; after the actor is killed and reopened, a push is refused."""
+    from pipeline.store_actor import ActorStoreClient, create_store_actor
+
+    local = _push_store()
+    handle = create_store_actor("push-test", local.observed, local.z, local.k_latent,
+                                local.num_classes)
+    labelers = _labelers([ActorStoreClient(handle) for _ in range(2)], 3)
+    drawn = local.z.clone()
+    for epoch in range(2):
+        _epoch(labelers, local.observed, epoch, drawn=drawn)
+    state = labelers[0].store.check_state()
+    assert torch.equal(state["z"], drawn)
+    assert state["steps"] == sum(len(range(0, 300, 16)) for _ in range(2)) * 2
+    for lab in labelers:
+        lab._send()
+        lab._resolve(wait=True)
+        assert torch.equal(lab.counts, state["counts"])
+    labelers[0].store.kill()
+    deadline = time.monotonic() + 60
+    while True:
+        assert time.monotonic() < deadline, "the actor did not come back within 60 s"
+        try:
+            if ray_local.get(handle.get_fence.remote()) is None:
+                break
+        except ray_local.exceptions.RayActorError:
+            time.sleep(0.2)
+    lab = labelers[1]
+    lab._buf.append((torch.tensor([1]), torch.tensor([2])))
+    with pytest.raises(FenceError, match="refused"):
+        lab.flush()
+    ray_local.kill(handle, no_restart=True)
