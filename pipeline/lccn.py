@@ -35,6 +35,7 @@ from torch import Tensor
 from pipeline.config import LCCNConfig
 from pipeline.confusion import apply_delta_, as_alpha
 from pipeline.confusion_store import Sync
+from pipeline.fastpath import to_device
 from pipeline.sampler import anneal_gamma, gibbs_draw, gibbs_posterior, sample_categorical
 
 
@@ -105,6 +106,7 @@ class GibbsLabeler:
         # without trusted samples; eager on any compiler failure
         self._draw = None
         self._draw_failed: str | None = None
+        self._gamma: tuple[float, Tensor] | None = None  # (gamma, its device copy)
         if compile_mode != "off" and hasattr(torch, "compile"):
             self._draw = torch.compile(gibbs_draw, mode=None if compile_mode == "default"
                                        else compile_mode)
@@ -284,12 +286,14 @@ class GibbsLabeler:
                 if lo_v < 0 or hi_v >= hi:
                     raise ValueError(f"{name} must lie in [0, {hi}), got range [{lo_v}, {hi_v}]")
         u = torch.rand(m, 1, generator=self.generator, dtype=torch.float64, device=dev)
-        g = torch.full((), gamma, dtype=torch.float64, device=dev)
+        if self._gamma is None or self._gamma[0] != gamma:  # a launch only when it changes
+            self._gamma = (gamma, torch.full((), gamma, dtype=torch.float64, device=dev))
+        # observed and z_old travel in one packed pinned copy
+        obs_d, z_old_d = to_device((observed, z_old), dev)
         try:
             post, z_new, changed = self._draw(
-                probs.detach().to(dev), observed.to(dev, non_blocking=True),
-                z_old.to(dev, non_blocking=True), self.counts, self.alpha, g, u,
-                self.phi_init if warm else None)
+                probs.detach().to(dev), obs_d, z_old_d, self.counts, self.alpha,
+                self._gamma[1], u, self.phi_init if warm else None)
         except Exception as exc:  # the compiler stack raises many types
             import warnings
             self._draw_failed = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
