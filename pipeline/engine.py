@@ -425,10 +425,14 @@ class LocalChain:
 
     def labeler(self, cfg: Any, *, phi_init: Tensor, max_steps: int, trusted: Tensor | None,
                 clean: Tensor) -> GibbsLabeler:
-        return GibbsLabeler(cfg, self.store, self.store.counts, self.store.version,
-                            phi_init=phi_init, max_steps=max_steps, generator=self.generator,
-                            trusted=trusted, clean=clean, device=self.device,
-                            compile_mode=self.compile_mode)
+        labeler = GibbsLabeler(cfg, self.store, self.store.counts, self.store.version,
+                               phi_init=phi_init, max_steps=max_steps, generator=self.generator,
+                               trusted=trusted, clean=clean, device=self.device,
+                               compile_mode=self.compile_mode)
+        # a store restored from a checkpoint has seen this worker's commits up to last_seq:
+        # continue the sequence (a restarted one would be refused as duplicates)
+        labeler.seq = self.store.last_seq.get(labeler.worker, -1) + 1
+        return labeler
 
     def read(self) -> dict | None:
         """The chain state now (rank 0): counts, z, observed, counted, version."""
