@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.config import (LCCNConfig, ModelConfig, MonitorConfig, OptimConfig,  # noqa: E402
+from pipeline.config import (LCCNConfig, ModelConfig, MonitorConfig, OptimConfig, PerfConfig,  # noqa: E402
                              RunConfig)
 from pipeline.dist_worker import DistConfig  # noqa: E402
 from pipeline.labels import LabelView  # noqa: E402
@@ -176,6 +176,13 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
     m.add_argument("--outlier", action="store_true", help="LCCN*: K+1 latent classes")
     m.add_argument("--trusted-fraction", type=float, default=0.0,
                    help="LCCN+: this fraction of samples with a clean label is trusted")
+    m.add_argument("--compile", default="off",
+                   choices=("off", "default", "reduce-overhead", "max-autotune-no-cudagraphs"),
+                   help="torch.compile the step (PerfConfig.compile): 'reduce-overhead' halves "
+                        "a small CIFAR model's GPU epoch after ~1.5 min of compilation "
+                        "(benchmarks/results/gpu.md); off by default")
+    m.add_argument("--amp", choices=("auto", "bf16", "off"), default="auto",
+                   help="bf16 autocast (PerfConfig.amp; auto = on for CUDA workers)")
     m.add_argument("--val-fraction", type=float, default=0.05,
                    help="noisy validation split: this fraction of the training samples "
                         "(stratified by observed label, fixed by the seed) is never trained "
@@ -212,6 +219,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
                         outlier=args.outlier,
                         use_trusted=args.trusted_fraction > 0),
         monitor=MonitorConfig(stop=args.stop_on_collapse),
+        perf=PerfConfig(compile=getattr(args, "compile", "off"), amp=getattr(args, "amp", "auto")),
         val_fraction=args.val_fraction)
 
 

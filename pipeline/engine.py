@@ -614,6 +614,9 @@ class EngineOptions:
     tracking: Tracking | None = None
     after_step: Callable[[int], None] | None = None
     on_epoch: Callable[[int, dict[str, float]], None] | None = None
+    # uint8 batches (LoaderConfig.normalize_on="device") are normalised by this module on
+    # the device, inside the model wrapper
+    normalize: nn.Module | None = None
 
 
 _REDUCED = ("loss", "label_recovery", "changed", "staleness", "gamma", "step_time",
@@ -744,9 +747,12 @@ class Engine:
             perf = replace(perf, amp="off", channels_last="off")
         for m in self.members:
             # channels-last converts the parameters in place: the optimizer keeps them
-            m.train_model = wrap_model(session.prepare_model(m.model), perf, self.device)
+            norm = self.options.normalize
+            m.train_model = wrap_model(session.prepare_model(m.model), perf, self.device,
+                                       normalize=norm)
             # no DDP collectives (and no second compiled graph set) in evaluation
-            m.eval_model = wrap_model(m.model, replace(perf, compile="off"), self.device)
+            m.eval_model = wrap_model(m.model, replace(perf, compile="off"), self.device,
+                                      normalize=norm)
         if self.chain is not None:
             self.chain.open(state["store"] if state is not None else None, session)
         if self.options.tracking is not None and session.rank == 0:
