@@ -213,10 +213,14 @@ class Member:
 
 
 class _Pass:
-    """One training pass: iterable of batches with ``steps_per_epoch`` and ``counters``."""
+    """One training pass: iterable of batches with ``steps_per_epoch``, ``start_batch``
+    (the batches of the epoch already done before it: a resumed pass starts there) and
+    ``counters``."""
 
-    def __init__(self, batches: Iterable[Any], steps_per_epoch: int) -> None:
+    def __init__(self, batches: Iterable[Any], steps_per_epoch: int,
+                 start_batch: int = 0) -> None:
         self.batches, self.steps_per_epoch = batches, steps_per_epoch
+        self.start_batch = start_batch
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self.batches)
@@ -299,7 +303,7 @@ class _ShardPass(_Pass):
         self.loader = loader
         self.filter = None if held_out is None else _SkipHeldOut(loader, held_out)
         super().__init__(self.filter if self.filter is not None else loader,
-                         loader.steps_per_epoch)
+                         loader.steps_per_epoch, loader.start_batch)
 
     def counters(self, session: Session) -> dict[str, float]:
         from pipeline.data import loader_counters
@@ -355,13 +359,10 @@ class ShardSource:
     def train_batches(self, epoch: int, start_batch: int = 0, *, views: int = 1) -> _ShardPass:
         from pipeline.data import make_train_loader
 
-        if views != 1:
-            raise NotImplementedError(f"the shard loader gives one augmented view per sample; "
-                                      f"{views} views are available from in-memory data only")
-
         loader = make_train_loader(self.train_source, self.view, self.cfg, rank=self.rank,
                                    world_size=self.world_size, epoch=epoch,
-                                   start_batch=start_batch, manifest=self.manifest)
+                                   start_batch=start_batch, manifest=self.manifest,
+                                   views=views)
         return _ShardPass(loader, self.held_out)
 
     def _train_eval(self) -> Any:
@@ -793,13 +794,15 @@ class Engine:
         from pipeline.tracking import Tracker
 
         t = self.options.tracking
-        if self.run_id is None and isinstance(self.chain, SharedChain):
-            self.run_id = self.chain.client.get_meta("mlflow_run_id")  # restarted before
+        # the run's metadata lives in the (first) shared chain's actor
+        meta = self.chain[0] if isinstance(self.chain, ChainSet) else self.chain
+        if self.run_id is None and isinstance(meta, SharedChain):
+            self.run_id = meta.client.get_meta("mlflow_run_id")  # restarted before
         self.tracker = Tracker(tracking_uri=t.uri, experiment=t.experiment,  # a checkpoint
                                run_name=t.run_name, run_id=self.run_id)
         self.run_id = self.tracker.start({"run": asdict(self.run), **t.params})
-        if isinstance(self.chain, SharedChain):
-            self.chain.client.set_meta("mlflow_run_id", self.run_id)
+        if isinstance(meta, SharedChain):
+            meta.client.set_meta("mlflow_run_id", self.run_id)
 
     def fit(self) -> list[dict[str, float]]:
         """Train from the checkpoint (or the start) to ``optim.epochs``; returns the rows of

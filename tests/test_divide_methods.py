@@ -251,3 +251,73 @@ def test_two_views_are_two_augmentations_from_the_generator(digits):
     assert torch.equal(b.images2, x + torch.rand(x.shape, generator=g))
     (one,) = list(data.batches(16, generator=torch.Generator().manual_seed(0)))
     assert torch.equal(one.images, b.images)       # views=1 is unchanged
+
+
+# -- the distributed worker loop (one worker in this process, shards on disk) ----------------
+
+
+@pytest.fixture(scope="module")
+def digit_shards(tmp_path_factory):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "jobs"))
+    import quickstart_ray
+
+    root = tmp_path_factory.mktemp("digit-shards")
+    train, test = quickstart_ray.write_digits_shards(root, seed=0)
+    return train, test, quickstart_ray.digits_view(train, rate=0.4, seed=0)
+
+
+def test_divide_lccn_worker_loop_resumes_mid_epoch_exactly(digit_shards, tmp_path):
+    """run_worker with one store per network: failing mid-epoch of the noise phase (after a
+    mid-epoch checkpoint that carries the epoch's division) and resuming ends with the same
+    networks, chains and division as the uninterrupted run; the division pass scored every
+    training idx (the held-out split excluded) exactly once."""
+    from pipeline.dist_worker import DistConfig, run_worker
+    from pipeline.engine import held_out_mask
+    from pipeline.ray_train import initial_assignment_placeholder
+    from pipeline.store_actor import LocalStoreClient, StoreActor
+
+    train, test, view = digit_shards
+    run = _cfg("divide_lccn", epochs=2, pretrain=1)
+    dist = DistConfig(run_name="local", run_dir=str(tmp_path / "a"), train_source=str(train),
+                      test_source=str(test), num_workers=1, loader_workers=0,
+                      shuffle_buffer=100, preset="digits", checkpoint_every=7,
+                      tracking_uri=None)
+    z0, counted = initial_assignment_placeholder(view, run)
+    obs = torch.from_numpy(view.observed)
+
+    def stores():
+        return [StoreActor(obs, z0, 10, 10, counted=counted) for _ in range(2)]
+
+    (tmp_path / "a").mkdir()
+    ref = stores()
+    ref_rows = run_worker(run, dist, view, [LocalStoreClient(s) for s in ref],
+                          LocalSession(tmp_path / "a" / "ckpt"))
+    assert len(ref_rows) == 2 and ref_rows[-1]["test_top1"] > 0.5
+    held_out = held_out_mask(view, run.val_fraction, seed=run.seed)
+    for s in ref:
+        s.check()
+        assert int(s.counts.sum()) == int((~held_out).sum())
+
+    # 20 steps per epoch: fail at step 25 (epoch 1, the first noise epoch); the last
+    # checkpoint is the one at step 21, inside epoch 1, with epoch 1's division
+    dist_b = replace(dist, run_dir=str(tmp_path / "b"), inject_failure="0:25:raise")
+    (tmp_path / "b").mkdir()
+    cut = stores()
+    session = LocalSession(tmp_path / "b" / "ckpt")
+    with pytest.raises(RuntimeError, match="injected failure at step 25"):
+        run_worker(run, dist_b, view, [LocalStoreClient(s) for s in cut], session)
+    st = session.load_checkpoint()
+    assert (st["epoch"], st["batch"], st["division_epoch"]) == (1, 1, 1)
+    rows = run_worker(run, dist_b, view, [LocalStoreClient(s) for s in cut], session)
+    assert rows[0]["resumed_epoch"] == 1 and rows[0]["resumed_batch"] == 1
+    a, b = LocalSession(tmp_path / "a" / "ckpt").load_checkpoint(), session.load_checkpoint()
+    for ma, mb in zip(a["models"], b["models"]):
+        assert all(torch.equal(ma[key], mb[key]) for key in ma)
+    for pa, pb in zip(a["division_prob"], b["division_prob"]):
+        assert torch.equal(pa, pb)
+        assert (pa[torch.from_numpy(held_out)] == 0).all()      # never divided
+    for s, r in zip(cut, ref):
+        assert torch.equal(s.z, r.z) and torch.equal(s.counts, r.counts)

@@ -202,7 +202,8 @@ class DivideMix(Method):
                       after_step: Callable[[], None]) -> dict[str, float]:
         acc = _Acc()
         self._begin_chain_pass()
-        for bi, (b, nxt) in enumerate(_lookahead(batches)):
+        first = getattr(batches, "start_batch", 0)  # a pass resumed mid-epoch
+        for bi, (b, nxt) in enumerate(_lookahead(batches), start=first):
             frac = epoch + bi / self._steps
             targets = []
             for k in range(len(self.members)):
@@ -248,18 +249,18 @@ class DivideMix(Method):
             labelled = labelled.clone()
             labelled[0] = True
         lab, unl = labelled.to(dev), unlabelled.to(dev)
-        x1 = b.images.to(dev, non_blocking=True)
-        x2 = b.images2.to(dev, non_blocking=True)
+        x1, x2 = self._input(b.images), self._input(b.images2)
         n = x1.shape[0]
         with torch.no_grad():
+            # eval_model: the same fast paths without DDP; the mode is the module's
             own.model.train()  # as DivideMix: the trained network guesses in train mode
-            p_own = torch.softmax(own.model(torch.cat([x1, x2])).float(), 1)
+            p_own = torch.softmax(own.eval_model(torch.cat([x1, x2])).float(), 1)
             p1, p2 = p_own[:n], p_own[n:]
             p_bar = (p1 + p2) / 2
             t_l = self.refine(k, b, nxt, p_bar, labelled, w)
             if bool(unlabelled.any()):
                 other.model.eval()
-                p_oth = torch.softmax(other.model(torch.cat([x1[unl], x2[unl]])).float(), 1)
+                p_oth = torch.softmax(other.eval_model(torch.cat([x1[unl], x2[unl]])).float(), 1)
                 m = int(unlabelled.sum())
                 t_u = co_guess([p1[unl], p2[unl]], [p_oth[:m], p_oth[m:]], cfg.temperature)
             else:
@@ -293,6 +294,19 @@ class DivideMix(Method):
             target[lab] = t_l.argmax(1)
             target[unl] = t_u.argmax(1)
         return loss.detach(), target
+
+    def _input(self, images: Tensor) -> Tensor:
+        """Images on the device as float network inputs: uint8 batches (a CUDA worker's
+        ``LoaderConfig.normalize_on="device"``) are normalised here, since MixMatch mixes
+        the normalised inputs."""
+        x = images.to(self.engine.device, non_blocking=True)
+        if x.dtype == torch.uint8:
+            norm = self.engine.options.normalize
+            if norm is None:
+                raise TypeError("uint8 images reached DivideMix but the engine has no "
+                                "normalisation (EngineOptions.normalize)")
+            x = norm.to(x.device)(x)
+        return x
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -464,6 +478,16 @@ class DivideLCCN(DivideMix):
 
     def _chain_changed(self) -> float:
         return float(np.mean(self._changed)) if self._changed else 0.0
+
+    def epoch_stats(self) -> dict[str, float]:
+        out = super().epoch_stats()
+        if self.labelers is not None:
+            out["staleness_max"] = float(max(getattr(lab, "max_staleness", 0)
+                                             for lab in self.labelers))
+            for lab in self.labelers:
+                if hasattr(lab, "max_staleness"):
+                    lab.max_staleness = 0
+        return out
 
     def flush(self) -> None:
         if self.labelers is not None:
