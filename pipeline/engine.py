@@ -14,7 +14,8 @@ an object the engine is given; the loop itself is the same:
   epoch, the training split in eval mode, the noisy validation split, the test split;
 - the chain backend (:class:`LocalChain`: an in-process
   :class:`~pipeline.confusion_store.ConfusionStore`; :class:`SharedChain`: a client of the
-  run's fenced store actor).
+  run's fenced store actor; :class:`ChainSet`: one of those per network, for a method with
+  ``num_chains > 1``).
 
 What is trained, and how, is the *method* (:mod:`pipeline.methods`), chosen by
 ``RunConfig.method``. Per (re)start of a worker::
@@ -36,8 +37,9 @@ What is trained, and how, is the *method* (:mod:`pipeline.methods`), chosen by
 A checkpoint (``state.pt``) holds ``models``/``optimizers``/``schedulers`` (one entry per
 member; ``model``/``optimizer``/``scheduler`` name the first), ``epoch``, ``batch``,
 ``global_step``, the method's :meth:`~pipeline.methods.base.Method.state_dict` entries,
-``store`` (the chain state, or None), ``mlflow_run_id``, ``history``, ``method_name``,
-``k_latent`` and ``num_samples``.
+``store`` (the chain state, ``{"chains": [...]}`` for a :class:`ChainSet`, or None),
+``mlflow_run_id``, ``history``, ``method_name``, ``k_latent``, ``num_samples`` and ``data``
+(the data source's state: the in-memory generator, or None).
 """
 
 from __future__ import annotations
