@@ -68,6 +68,35 @@ def test_both_networks_train_and_beat_chance_and_ce(runs, method):
 
 
 @pytest.mark.parametrize("method", ["dividemix", "divide_lccn"])
+def test_test_top1_is_the_ensemble_of_both_networks(runs, digits, method):
+    trainer, hist = runs[method]
+    _, test = digits
+    nets = [m.model.eval() for m in trainer.engine.members]
+    with torch.no_grad():
+        l0, l1 = (net(test.images) for net in nets)
+    clean = torch.from_numpy(test.labels.clean)
+    hits = divide_maths.ensemble_topk(l0, l1, clean, ks=(1, 5))
+    assert hist[-1]["test_top1"] == pytest.approx(hits[1] / len(clean))
+    assert hist[-1]["test_top5"] == pytest.approx(hits[5] / len(clean))
+
+
+def test_warm_up_negative_entropy_penalty(digits):
+    """conf_penalty adds mean Σ p log p (<= 0) to the warm-up cross-entropy: a lower
+    reported loss and less confident networks than the same warm-up without it."""
+    train, test = digits
+    out = {}
+    for flag in (False, True):
+        trainer = LocalTrainer(_cfg("dividemix", epochs=2, pretrain=2, conf_penalty=flag),
+                               train, test)
+        hist = trainer.fit()
+        with torch.no_grad():
+            p = torch.softmax(trainer.engine.members[0].model.eval()(train.images), 1)
+        out[flag] = (hist[-1]["loss"], float(-(p * p.clamp_min(1e-12).log()).sum(1).mean()))
+    assert out[True][0] < out[False][0]
+    assert out[True][1] > out[False][1] + 0.05          # higher prediction entropy
+
+
+@pytest.mark.parametrize("method", ["dividemix", "divide_lccn"])
 def test_the_division_separates_the_planted_noisy_samples(runs, method):
     trainer, hist = runs[method]
     view = trainer.train.labels
