@@ -30,8 +30,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.config import (LCCNConfig, ModelConfig, MonitorConfig, OptimConfig, PerfConfig,  # noqa: E402
-                             RunConfig)
+from pipeline.config import (METHODS, DivideConfig, LCCNConfig, ModelConfig,  # noqa: E402
+                             MonitorConfig, OptimConfig, PerfConfig, RunConfig)
 from pipeline.dist_worker import DistConfig  # noqa: E402
 from pipeline.labels import LabelView  # noqa: E402
 from pipeline.manifest import Manifest  # noqa: E402
@@ -67,6 +67,9 @@ class Preset:
     pretrained: bool = False
     in_channels: int = 3
     note: str = ""
+    method: str = "lccn"
+    mixmatch_alpha: float = 4.0  # DivideMix / DivideLCCN (DivideConfig)
+    lambda_u: float = 25.0
 
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (
@@ -89,8 +92,11 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            anneal=True, pretrained=True, note="1 of the 5 epochs is CE pre-training"),
     # Inception-ResNet-v2, batch 64, lr 0.01 divided by 10 after 40 epochs, annealing on.
     # The paper gives neither the epoch count nor wd nor warm-up: ours are 80, 5e-4, 40,000.
+    # The method is DivideLCCN with DivideMix's WebVision settings (MixMatch alpha 0.5,
+    # lambda_u 0; docs/methods.md).
     Preset("webvision", "inception_resnet_v2", "webvision", 64, 0.01, 80, 10, 5e-4, 40_000,
-           "anchor", anneal=True, milestones=(40,),
+           "anchor", anneal=True, milestones=(40,), method="divide_lccn", mixmatch_alpha=0.5,
+           lambda_u=0.0,
            note="80 epochs (10 CE), wd 5e-4 and 40,000 warm-up steps are our choices"),
     # the quickstart: scikit-learn digits, small CNN on the CPU
     # targets "sample": on 1,257 digits a small CNN memorises the noisy labels, and the
@@ -142,7 +148,8 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
     g.add_argument("--inject-failure", default="", help=argparse.SUPPRESS)  # tests only
 
     m = p.add_argument_group(f"method and recipe (defaults: the paper's {preset.name} recipe)")
-    m.add_argument("--method", choices=("lccn", "ce"), default="lccn")
+    m.add_argument("--method", choices=METHODS, default=preset.method,
+                   help="dividemix / divide_lccn train two networks (docs/methods.md)")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--model", default=preset.model)
     m.add_argument("--pretrained", action=argparse.BooleanOptionalAction, default=preset.pretrained,
@@ -179,6 +186,15 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
     m.add_argument("--outlier", action="store_true", help="LCCN*: K+1 latent classes")
     m.add_argument("--trusted-fraction", type=float, default=0.0,
                    help="LCCN+: this fraction of samples with a clean label is trusted")
+    m.add_argument("--p-threshold", type=float, default=0.5,
+                   help="DivideMix/DivideLCCN: clean-probability threshold of the division")
+    m.add_argument("--mixmatch-alpha", type=float, default=preset.mixmatch_alpha,
+                   help="DivideMix/DivideLCCN: MixMatch Beta(alpha, alpha)")
+    m.add_argument("--lambda-u", type=float, default=preset.lambda_u,
+                   help="DivideMix/DivideLCCN: weight of the unlabelled loss (ramped in)")
+    m.add_argument("--conf-penalty", action="store_true",
+                   help="DivideMix/DivideLCCN: negative-entropy penalty in the CE warm-up "
+                        "(asymmetric noise)")
     m.add_argument("--compile", default="off",
                    choices=("off", "default", "reduce-overhead", "max-autotune-no-cudagraphs"),
                    help="torch.compile the step (PerfConfig.compile): 'reduce-overhead' halves "
@@ -223,6 +239,10 @@ def run_config(args: argparse.Namespace) -> RunConfig:
                         use_trusted=args.trusted_fraction > 0,
                         commit_every=args.commit_every),
         monitor=MonitorConfig(stop=args.stop_on_collapse),
+        divide=DivideConfig(p_threshold=getattr(args, "p_threshold", 0.5),
+                            mixmatch_alpha=getattr(args, "mixmatch_alpha", 4.0),
+                            lambda_u=getattr(args, "lambda_u", 25.0),
+                            conf_penalty=getattr(args, "conf_penalty", False)),
         perf=PerfConfig(compile=getattr(args, "compile", "off"), amp=getattr(args, "amp", "auto")),
         val_fraction=args.val_fraction)
 

@@ -196,6 +196,19 @@ class LoaderConfig:
                              f"{self.s3_endpoint_url!r}")
 
 
+class ViewsBatch(NamedTuple):
+    """A training batch with two augmented views of every image (DivideMix; ``views=2``):
+    ``images`` and ``images2`` (B, C, H, W) are the preset's training augmentation applied
+    twice to the same decoded image; the other fields as :class:`Batch`."""
+
+    images: torch.Tensor
+    images2: torch.Tensor
+    observed: torch.Tensor
+    idx: torch.Tensor
+    clean: torch.Tensor
+    valid: torch.Tensor
+
+
 class Batch(NamedTuple):
     """One batch of one rank.
 
@@ -649,19 +662,22 @@ def _apply_ood(samples: Iterator[dict], *, ood: np.ndarray | None, fn: OodTransf
 
 
 def _augment(samples: Iterator[dict], *, transform: Callable, shape: tuple[int, ...],
-             preset: str) -> Iterator[dict]:
-    """PIL image -> uint8 (C, H, W) tensor of the preset's shape."""
+             preset: str, views: int = 1) -> Iterator[dict]:
+    """PIL image -> uint8 (C, H, W) tensor of the preset's shape; ``views=2`` also
+    ``"image2"``, the transform applied a second time to the same image."""
     for s in samples:
-        x = transform(s.pop("image")).as_subclass(torch.Tensor)
-        if tuple(x.shape) != shape or x.dtype != torch.uint8:
-            raise ValueError(f"preset {preset!r} made a {x.dtype} {tuple(x.shape)} tensor for "
-                             f"idx {s['idx']}; expected uint8 {shape}")
-        s["image"] = x
+        img = s.pop("image")
+        for key in ("image", "image2")[:views]:
+            x = transform(img).as_subclass(torch.Tensor)
+            if tuple(x.shape) != shape or x.dtype != torch.uint8:
+                raise ValueError(f"preset {preset!r} made a {x.dtype} {tuple(x.shape)} tensor "
+                                 f"for idx {s['idx']}; expected uint8 {shape}")
+            s[key] = x
         yield s
 
 
 def _chunks(samples: Iterator[dict], *, size: int, shape: tuple[int, ...], state: _SlotState,
-            rng_state: torch.Tensor) -> Iterator[dict]:
+            rng_state: torch.Tensor, views: int = 1) -> Iterator[dict]:
     """Stack ``size`` samples per chunk; every chunk carries the counters since the last one.
 
     All upstream work (decode, augment) runs here, inside ``fork_rng`` with this slot's own
@@ -683,9 +699,15 @@ def _chunks(samples: Iterator[dict], *, size: int, shape: tuple[int, ...], state
         state.stats["samples"] += len(items)
         if not items and not done:
             continue
-        yield {
+        chunk = {
             "images": (torch.stack([s["image"] for s in items]) if items
                        else torch.empty((0, *shape), dtype=torch.uint8)),
+        }
+        if views == 2:
+            chunk["images2"] = (torch.stack([s["image2"] for s in items]) if items
+                                else torch.empty((0, *shape), dtype=torch.uint8))
+        yield {
+            **chunk,
             "labels": torch.tensor([(s["idx"], s["observed"], s["clean"]) for s in items],
                                    dtype=torch.int64).reshape(-1, 3),
             "stats": state.take_stats(),
@@ -702,8 +724,9 @@ class _RankStream(IterableDataset):
     def __init__(self, *, urls: list[str], counts: list[int], slots: tuple[tuple[int, ...], ...],
                  hashes: dict[str, str] | None, label_view: LabelView | None, num_samples: int,
                  cfg: LoaderConfig, train: bool, shuffle_buffer: int, seed_parts: tuple[int, ...],
-                 ood_transform: OodTransform | None) -> None:
+                 ood_transform: OodTransform | None, views: int = 1) -> None:
         super().__init__()
+        self.views = views
         self.urls, self.counts, self.slots, self.hashes = urls, counts, slots, hashes
         self.label_view, self.num_samples, self.cfg, self.train = label_view, num_samples, cfg, train
         self.shuffle_buffer, self.seed_parts, self.ood_transform = shuffle_buffer, seed_parts, ood_transform
@@ -737,9 +760,10 @@ class _RankStream(IterableDataset):
             partial(_apply_ood, ood=ood, fn=self.ood_transform,  # image pixel-shuffled if ood[idx]
                     seed=cfg.ood_seed),
             partial(_augment, transform=build_sample_transform(cfg.preset, train=self.train),
-                    shape=preset.shape, preset=cfg.preset),   # "image": (C, H, W) uint8
+                    shape=preset.shape, preset=cfg.preset,    # "image" (and "image2"):
+                    views=self.views),                        # (C, H, W) uint8
             partial(_chunks, size=cfg.chunk_size, shape=preset.shape,  # stacked chunk + "stats"
-                    state=state, rng_state=rng_state),
+                    state=state, rng_state=rng_state, views=self.views),
         ]
         return iter(wds.DataPipeline(stages))
 
@@ -793,7 +817,9 @@ class ShardLoader:
         n_pending = accepted = 0
         last: dict[str, torch.Tensor] | None = None  # the last batch made (for padding)
         step = 0
-        fields = ("images", "labels")  # labels: (n, 3) int64 columns idx, observed, clean
+        # labels: (n, 3) int64 columns idx, observed, clean
+        views = self._dataset.views
+        fields = ("images", "labels") if views == 1 else ("images", "images2", "labels")
 
         def take(n: int) -> dict[str, torch.Tensor]:
             nonlocal pending, n_pending
@@ -812,8 +838,13 @@ class ShardLoader:
             valid = torch.zeros(len(b["labels"]), dtype=torch.bool)
             valid[:n_valid] = True
             idx, observed, clean = b["labels"].T.contiguous()
-            out = Batch(normalise(b["images"]), observed, idx, clean, valid)
-            return Batch(*(t.pin_memory() for t in out)) if pin else out
+            out: Batch | ViewsBatch
+            if views == 1:
+                out = Batch(normalise(b["images"]), observed, idx, clean, valid)
+            else:
+                out = ViewsBatch(normalise(b["images"]), normalise(b["images2"]), observed, idx,
+                                 clean, valid)
+            return type(out)(*(t.pin_memory() for t in out)) if pin else out
 
         for chunk in self._chunk_iter():
             for k, v in chunk.pop("stats").items():
@@ -890,7 +921,10 @@ def _resolve_ood(label_view: LabelView | None, fn: OodTransform | None) -> OodTr
 
 def _make_loader(source: str | os.PathLike, label_view: LabelView | None, cfg: LoaderConfig, *,
                  rank: int, world_size: int, epoch: int, start_batch: int, train: bool,
-                 manifest: Manifest | None, ood_transform: OodTransform | None) -> ShardLoader:
+                 manifest: Manifest | None, ood_transform: OodTransform | None,
+                 views: int = 1) -> ShardLoader:
+    if views not in (1, 2):
+        raise ValueError(f"views must be 1 or 2, got {views}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside [0, world_size={world_size})")
     source = source if is_remote(source) else Path(source)
@@ -920,7 +954,7 @@ def _make_loader(source: str | os.PathLike, label_view: LabelView | None, cfg: L
         urls=urls, counts=counts, slots=slots, hashes=hashes, label_view=label_view,
         num_samples=manifest.num_samples, cfg=cfg, train=train,
         shuffle_buffer=cfg.shuffle_buffer if train else 0,
-        seed_parts=(cfg.seed, epoch, rank), ood_transform=ood_fn)
+        seed_parts=(cfg.seed, epoch, rank), ood_transform=ood_fn, views=views)
     return ShardLoader(dataset=dataset, plan=plan, rank=rank, epoch=epoch, num_workers=workers,
                        start_batch=start_batch, cfg=cfg, num_total=manifest.num_samples)
 
@@ -928,7 +962,7 @@ def _make_loader(source: str | os.PathLike, label_view: LabelView | None, cfg: L
 def make_train_loader(source: str | os.PathLike, label_view: LabelView | None,
                       cfg: LoaderConfig, *, rank: int, world_size: int, epoch: int,
                       start_batch: int = 0, manifest: Manifest | None = None,
-                      ood_transform: OodTransform | None = None) -> ShardLoader:
+                      ood_transform: OodTransform | None = None, views: int = 1) -> ShardLoader:
     """The training stream of one rank for one epoch (see the module docstring).
 
     source: a split directory, or a base URL (``http(s)://``, ``s3://``) of the split.
@@ -937,12 +971,14 @@ def make_train_loader(source: str | os.PathLike, label_view: LabelView | None,
       (H, W, C) uint8`` for ``label_view.ood`` samples (default ``pipeline.noise.shuffle_pixels``).
     rank, world_size: this Ray Train worker's place (pass them in; no global state is read).
     epoch: reshuffles the shard order; start_batch: resume after that many batches.
+    views: 2 yields :class:`ViewsBatch` es (the training augmentation applied twice per
+      sample, from the slot's generator: the same two views on a re-read).
     Raises ``ManifestError``/``ValueError`` before any batch if the shards, manifest and
     label view disagree.
     """
     return _make_loader(source, label_view, cfg, rank=rank, world_size=world_size, epoch=epoch,
                         start_batch=start_batch, train=True, manifest=manifest,
-                        ood_transform=ood_transform)
+                        ood_transform=ood_transform, views=views)
 
 
 def make_eval_loader(source: str | os.PathLike, label_view: LabelView | None,

@@ -54,7 +54,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeline.config import RunConfig
-from pipeline.engine import (META_FILE, STATE_FILE, Engine, EngineOptions, Session,
+from pipeline.engine import (META_FILE, STATE_FILE, ChainSet, Engine, EngineOptions, Session,
                              ShardSource, SharedChain, Tracking, make_scheduler,
                              held_out_mask, transition_error)
 from pipeline.labels import LabelView
@@ -198,6 +198,13 @@ def load_state(checkpoint_dir: str | os.PathLike) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
+def chain_seed(seed: int, chain: int) -> int:
+    """The Gibbs seed of chain ``chain`` > 0 of a run with several chains (chain 0 uses
+    ``seed`` itself)."""
+    state = np.random.SeedSequence([seed, chain, 0x63686E]).generate_state(1, np.uint64)
+    return int(state[0] >> 1)
+
+
 def _step_seed(seed: int, rank: int, step: int) -> int:
     """A 63-bit seed for the Gibbs step ``step`` of ``rank`` (independent streams)."""
     state = np.random.SeedSequence([seed, rank, step, 0x6C63636E]).generate_state(1, np.uint64)
@@ -253,15 +260,21 @@ def run_worker(run: RunConfig, dist: DistConfig, view: LabelView, store: Any,
     run: what to train (method, model, optimizer schedule, method options, the noisy
     validation split ``val_fraction``); view: the label view of the training split
     (``len(view)`` = N); store: a client of the run's StoreActor (None for a method
-    without a chain, e.g. "ce"); session: rank/world size/collectives/checkpoints.
+    without a chain, e.g. "ce"; a list of one client per chain for a method with several,
+    e.g. "divide_lccn"); session: rank/world size/collectives/checkpoints.
     """
     from pipeline.data import LoaderConfig
     from pipeline.methods import get_method
 
     rank, ws = session.rank, session.world_size
     cuda = session.device.type == "cuda"
-    if get_method(run.method).needs_chain and store is None:
+    method = get_method(run.method)
+    if method.needs_chain and store is None:
         raise ValueError(f"method {run.method!r} needs a store client")
+    stores = list(store) if isinstance(store, (list, tuple)) else [store]
+    if method.needs_chain and len(stores) != method.num_chains:
+        raise ValueError(f"method {run.method!r} needs {method.num_chains} store client(s), "
+                         f"one per chain; got {len(stores)}")
     held_out = held_out_mask(view, run.val_fraction, seed=run.seed)
     loader_cfg = LoaderConfig(batch_size=max(1, run.optim.batch_size // ws),
                               num_workers=dist.loader_workers, shuffle_buffer=dist.shuffle_buffer,
@@ -273,8 +286,12 @@ def run_worker(run: RunConfig, dist: DistConfig, view: LabelView, store: Any,
                               normalize_on="device" if cuda else "host")
     data = ShardSource(train_source=dist.train_source, test_source=dist.test_source, view=view,
                        loader_cfg=loader_cfg, rank=rank, world_size=ws, held_out=held_out)
-    chain = (SharedChain(store, session, seed=run.seed, held_out=held_out)
-             if store is not None else None)
+    chain = None
+    if store is not None:
+        # chain i > 0 draws from its own seed stream (two labelers step in lockstep)
+        chains = [SharedChain(c, session, seed=run.seed if i == 0 else chain_seed(run.seed, i),
+                              held_out=held_out) for i, c in enumerate(stores)]
+        chain = chains[0] if len(chains) == 1 else ChainSet(chains)
     failures = _Failures(dist.inject_failure, rank, dist.run_dir)
     tracking = None
     if dist.tracking_uri:
@@ -285,7 +302,7 @@ def run_worker(run: RunConfig, dist: DistConfig, view: LabelView, store: Any,
                             class_names=dist.class_names, transition_every=dist.transition_every)
     options = EngineOptions(run_name=dist.run_name, checkpoint_every=dist.checkpoint_every,
                             pretrained=dist.pretrained, lr_values=dist.lr_values,
-                            tracking=tracking, after_step=lambda step: failures(step, store),
+                            tracking=tracking, after_step=lambda step: failures(step, stores[0]),
                             normalize=build_batch_transform(dist.preset) if cuda else None)
     return Engine(run, session, data, chain=chain, options=options).fit()
 

@@ -14,7 +14,8 @@ an object the engine is given; the loop itself is the same:
   epoch, the training split in eval mode, the noisy validation split, the test split;
 - the chain backend (:class:`LocalChain`: an in-process
   :class:`~pipeline.confusion_store.ConfusionStore`; :class:`SharedChain`: a client of the
-  run's fenced store actor).
+  run's fenced store actor; :class:`ChainSet`: one of those per network, for a method with
+  ``num_chains > 1``).
 
 What is trained, and how, is the *method* (:mod:`pipeline.methods`), chosen by
 ``RunConfig.method``. Per (re)start of a worker::
@@ -36,8 +37,9 @@ What is trained, and how, is the *method* (:mod:`pipeline.methods`), chosen by
 A checkpoint (``state.pt``) holds ``models``/``optimizers``/``schedulers`` (one entry per
 member; ``model``/``optimizer``/``scheduler`` name the first), ``epoch``, ``batch``,
 ``global_step``, the method's :meth:`~pipeline.methods.base.Method.state_dict` entries,
-``store`` (the chain state, or None), ``mlflow_run_id``, ``history``, ``method_name``,
-``k_latent`` and ``num_samples``.
+``store`` (the chain state, ``{"chains": [...]}`` for a :class:`ChainSet`, or None),
+``mlflow_run_id``, ``history``, ``method_name``, ``k_latent``, ``num_samples`` and ``data``
+(the data source's state: the in-memory generator, or None).
 """
 
 from __future__ import annotations
@@ -213,10 +215,14 @@ class Member:
 
 
 class _Pass:
-    """One training pass: iterable of batches with ``steps_per_epoch`` and ``counters``."""
+    """One training pass: iterable of batches with ``steps_per_epoch``, ``start_batch``
+    (the batches of the epoch already done before it: a resumed pass starts there) and
+    ``counters``."""
 
-    def __init__(self, batches: Iterable[Any], steps_per_epoch: int) -> None:
+    def __init__(self, batches: Iterable[Any], steps_per_epoch: int,
+                 start_batch: int = 0) -> None:
         self.batches, self.steps_per_epoch = batches, steps_per_epoch
+        self.start_batch = start_batch
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self.batches)
@@ -242,11 +248,21 @@ class TensorSource:
         self.transition = labels.transition
         self.held_out: np.ndarray | None = None  # the idx space holds training samples only
 
-    def train_batches(self, epoch: int, start_batch: int = 0) -> _Pass:
+    def train_batches(self, epoch: int, start_batch: int = 0, *, views: int = 1) -> _Pass:
+        """views=2: batches with two augmented views of every image (``ViewsBatch``)."""
         if start_batch:
             raise ValueError("an in-memory pass cannot start mid-epoch (no checkpoints here)")
-        return _Pass(self.train.batches(self.batch_size, generator=self.generator),
+        return _Pass(self.train.batches(self.batch_size, generator=self.generator, views=views),
                      -(-len(self.train) // self.batch_size))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The generator's state (data order, augmentation, the local Gibbs draws): what
+        an epoch-end checkpoint needs for a resumed run to continue as an uninterrupted
+        one."""
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generator.set_state(state["generator"])
 
     def train_eval_batches(self) -> Iterable[Any]:
         return self.train.batches(self.eval_batch_size)
@@ -289,7 +305,7 @@ class _ShardPass(_Pass):
         self.loader = loader
         self.filter = None if held_out is None else _SkipHeldOut(loader, held_out)
         super().__init__(self.filter if self.filter is not None else loader,
-                         loader.steps_per_epoch)
+                         loader.steps_per_epoch, loader.start_batch)
 
     def counters(self, session: Session) -> dict[str, float]:
         from pipeline.data import loader_counters
@@ -342,12 +358,13 @@ class ShardSource:
         self.trusted = torch.from_numpy(np.array(view.trusted))
         self.transition = view.transition
 
-    def train_batches(self, epoch: int, start_batch: int = 0) -> _ShardPass:
+    def train_batches(self, epoch: int, start_batch: int = 0, *, views: int = 1) -> _ShardPass:
         from pipeline.data import make_train_loader
 
         loader = make_train_loader(self.train_source, self.view, self.cfg, rank=self.rank,
                                    world_size=self.world_size, epoch=epoch,
-                                   start_batch=start_batch, manifest=self.manifest)
+                                   start_batch=start_batch, manifest=self.manifest,
+                                   views=views)
         return _ShardPass(loader, self.held_out)
 
     def _train_eval(self) -> Any:
@@ -411,10 +428,14 @@ class LocalChain:
 
     def labeler(self, cfg: Any, *, phi_init: Tensor, max_steps: int, trusted: Tensor | None,
                 clean: Tensor) -> GibbsLabeler:
-        return GibbsLabeler(cfg, self.store, self.store.counts, self.store.version,
-                            phi_init=phi_init, max_steps=max_steps, generator=self.generator,
-                            trusted=trusted, clean=clean, device=self.device,
-                            compile_mode=self.compile_mode)
+        labeler = GibbsLabeler(cfg, self.store, self.store.counts, self.store.version,
+                               phi_init=phi_init, max_steps=max_steps, generator=self.generator,
+                               trusted=trusted, clean=clean, device=self.device,
+                               compile_mode=self.compile_mode)
+        # a store restored from a checkpoint has seen this worker's commits up to last_seq:
+        # continue the sequence (a restarted one would be refused as duplicates)
+        labeler.seq = self.store.last_seq.get(labeler.worker, -1) + 1
+        return labeler
 
     def read(self) -> dict | None:
         """The chain state now (rank 0): counts, z, observed, counted, version."""
@@ -490,6 +511,76 @@ class SharedChain:
     def stats(self) -> dict[str, float]:
         return {f"store_{key}": v for key, v in self.client.stats().items()
                 if key in ("duplicates", "refused", "busy_s")}
+
+
+class ChainSet:
+    """One chain per network (DivideLCCN: each network keeps its own C and z, see
+    docs/methods.md), behind the single-chain interface the engine uses: ``open`` gives
+    chain i ``state["chains"][i]``; ``read`` returns ``{"chains": [state_0, ...],
+    "version": sum of the versions}`` (None before any chain started). ``chains[i]`` is
+    what a method starts and draws labelers from."""
+
+    def __init__(self, chains: list[Any]) -> None:
+        if len(chains) < 2:
+            raise ValueError(f"a ChainSet holds two or more chains, got {len(chains)}")
+        self.chains = list(chains)
+        self.shared = any(c.shared for c in self.chains)
+
+    def __len__(self) -> int:
+        return len(self.chains)
+
+    def __getitem__(self, i: int) -> Any:
+        return self.chains[i]
+
+    # the engine sets these once; every chain's labelers follow them
+    @property
+    def device(self) -> torch.device | None:
+        return self.chains[0].device
+
+    @device.setter
+    def device(self, value: torch.device | None) -> None:
+        for c in self.chains:
+            c.device = value
+
+    @property
+    def compile_mode(self) -> str:
+        return self.chains[0].compile_mode
+
+    @compile_mode.setter
+    def compile_mode(self, value: str) -> None:
+        for c in self.chains:
+            c.compile_mode = value
+
+    def open(self, state: dict | None, session: Session) -> None:
+        states = [None] * len(self.chains) if state is None else list(state["chains"])
+        if len(states) != len(self.chains):
+            raise ValueError(f"the checkpoint holds {len(states)} chains; this run has "
+                             f"{len(self.chains)}")
+        for c, st in zip(self.chains, states):
+            c.open(st, session)
+
+    def read(self) -> dict | None:
+        states = [c.read() for c in self.chains]
+        if all(st is None for st in states):
+            return None
+        return {"chains": states,
+                "version": sum(int(st["version"]) for st in states if st is not None)}
+
+    def stats(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for i, c in enumerate(self.chains):
+            out.update({f"{key}_chain{i}": v for key, v in c.stats().items()})
+        return out
+
+
+def chain_counts(state: dict | None) -> Tensor | None:
+    """The counts C of a chain state (a :class:`ChainSet`'s: the first network's), or
+    None."""
+    if state is None:
+        return None
+    if "chains" in state:
+        return chain_counts(state["chains"][0])
+    return state["counts"]
 
 
 # -- the engine ---------------------------------------------------------------------------------
@@ -696,6 +787,8 @@ class Engine:
         self.run_id = state["mlflow_run_id"]
         self.history = list(state["history"])
         self.method.load_state_dict(state)
+        if state.get("data") is not None and hasattr(self.data, "load_state_dict"):
+            self.data.load_state_dict(state["data"])
 
     def _start_tracking(self) -> None:
         from dataclasses import asdict
@@ -703,13 +796,15 @@ class Engine:
         from pipeline.tracking import Tracker
 
         t = self.options.tracking
-        if self.run_id is None and isinstance(self.chain, SharedChain):
-            self.run_id = self.chain.client.get_meta("mlflow_run_id")  # restarted before
+        # the run's metadata lives in the (first) shared chain's actor
+        meta = self.chain[0] if isinstance(self.chain, ChainSet) else self.chain
+        if self.run_id is None and isinstance(meta, SharedChain):
+            self.run_id = meta.client.get_meta("mlflow_run_id")  # restarted before
         self.tracker = Tracker(tracking_uri=t.uri, experiment=t.experiment,  # a checkpoint
                                run_name=t.run_name, run_id=self.run_id)
         self.run_id = self.tracker.start({"run": asdict(self.run), **t.params})
-        if isinstance(self.chain, SharedChain):
-            self.chain.client.set_meta("mlflow_run_id", self.run_id)
+        if isinstance(meta, SharedChain):
+            meta.client.set_meta("mlflow_run_id", self.run_id)
 
     def fit(self) -> list[dict[str, float]]:
         """Train from the checkpoint (or the start) to ``optim.epochs``; returns the rows of
@@ -748,7 +843,9 @@ class Engine:
         o, session, method = self.run.optim, self.session, self.method
         t_epoch = time.perf_counter()
         first_batch = self.start_batch if epoch == self.start_epoch else 0
-        train_pass = self.data.train_batches(epoch, first_batch)
+        views = method.train_views(epoch)
+        train_pass = (self.data.train_batches(epoch, first_batch) if views == 1 else
+                      self.data.train_batches(epoch, first_batch, views=views))
         extra: dict[str, float] = {}
         phase = method.in_noise_phase(epoch)
         if phase and not method.noise_phase_started():
@@ -823,6 +920,7 @@ class Engine:
             "store": chain_state, "mlflow_run_id": self.run_id, "history": self.history,
             "method_name": self.run.method, "k_latent": self.k_latent,
             "num_samples": self.data.num_samples,
+            "data": self.data.state_dict() if hasattr(self.data, "state_dict") else None,
         }
         state.update(model=state["models"][0], optimizer=state["optimizers"][0],
                      scheduler=state["schedulers"][0])
@@ -840,7 +938,8 @@ class Engine:
                     "mlflow_run_id": self.run_id, "run_name": self.options.run_name,
                     "store_version": None if chain_state is None else int(chain_state["version"])}
             (Path(tmp) / META_FILE).write_text(json.dumps(meta, indent=1))
-            phi = None if chain_state is None else transition(chain_state["counts"])
+            counts = chain_counts(chain_state)
+            phi = None if counts is None else transition(counts)
             if tracker is not None and batch == 0:
                 tracker.log_metrics(metrics, step=epoch - 1)
                 if (phi is not None and self.method.noise_phase_started() and t.transition_every

@@ -36,7 +36,8 @@ from pipeline.config import LCCNConfig
 from pipeline.confusion import apply_delta_, as_alpha
 from pipeline.confusion_store import Sync
 from pipeline.fastpath import to_device
-from pipeline.sampler import anneal_gamma, gibbs_draw, gibbs_posterior, sample_categorical
+from pipeline.sampler import (anneal_gamma, conditional_transition, gibbs_draw, gibbs_posterior,
+                              sample_categorical)
 
 
 class Store(Protocol):
@@ -271,6 +272,27 @@ class GibbsLabeler:
                 changed = float(changed)
         return z_new, SampleStats(gamma, warm, self._staleness, changed, waited, post,
                                   self.ramp())
+
+    def conditional(self, observed: Tensor, idx: Tensor) -> Tensor:
+        """The conditional transition term the next :meth:`sample` of this batch uses,
+        ``(B, K_latent)`` float64 on the labeler's device: ``phi_init[:, observed]`` during
+        the warm-up, else :func:`~pipeline.sampler.conditional_transition` of the replica of
+        C with each sample's own count removed (DivideLCCN's co-refinement reads it).
+        Needs the batch's z, like :meth:`sample`."""
+        self._resolve()
+        if self._pending is None or not torch.equal(self._pending[0], idx):
+            raise RuntimeError("conditional() needs the batch's z first: call prefetch(idx) "
+                               "or commit(..., next_idx=idx) for this batch")
+        obs = observed.cpu().long()
+        if obs.numel() and (int(obs.min()) < 0 or int(obs.max()) >= self.num_classes):
+            raise ValueError(f"observed labels must lie in [0, {self.num_classes}), got range "
+                             f"[{int(obs.min())}, {int(obs.max())}]")
+        obs = obs.to(self.device)
+        if self.step_count < self.cfg.warmup_steps:
+            return self.phi_init.T[obs].to(torch.float64)
+        counted = None if self.trusted is None else (~self.trusted[idx]).to(self.device)
+        return conditional_transition(obs, self._pending[1].to(self.device), self.counts,
+                                      self.alpha, counted=counted)
 
     def _sample_compiled(self, probs: Tensor, observed: Tensor, z_old: Tensor, gamma: float,
                          warm: bool) -> tuple[Tensor, Tensor, float | Tensor] | None:

@@ -249,8 +249,11 @@ def train_loop_per_worker(config: dict) -> None:
     view = _writable(ray.get(config["view"]))
     _quiet_ray_train_reports()
     store = None
-    if config["store"] is not None:
-        store = ActorStoreClient(ray.get_actor(config["store"], namespace=config["namespace"]))
+    names = config["store"]
+    if isinstance(names, list):  # one actor per chain
+        store = [ActorStoreClient(ray.get_actor(n, namespace=config["namespace"])) for n in names]
+    elif names is not None:
+        store = ActorStoreClient(ray.get_actor(names, namespace=config["namespace"]))
     torch.set_num_threads(max(1, int(config.get("threads", 1))))
     session = RaySession()
     session.checkpoint_root = Path(dist.run_dir) / "train" / dist.run_name
@@ -353,7 +356,8 @@ def fit_distributed(run: RunConfig, dist: DistConfig, view: LabelView, *,
 
     Returns ``{"metrics": rank 0's last reported metrics, "checkpoint": path of the final
     checkpoint, "state": its state dict, "phi": (K_latent, K) float64 learned transition
-    (None for CE), "store": the final StoreActor stats}``. Raises
+    (None for CE; with one chain per network the first network's, and "phis" all of
+    them), "store": the final StoreActor stats (the first chain's)}``. Raises
     ``ray.train.TrainingFailedError`` when the run fails more than ``max_failures`` times.
     ``fault``: tests only, ``{"rank", "report", "marker"}`` of a :class:`ReportFault`.
     """
@@ -366,12 +370,25 @@ def fit_distributed(run: RunConfig, dist: DistConfig, view: LabelView, *,
 
     k = view.num_classes
     k_latent = k + 1 if (run.method == "lccn" and run.lccn.outlier) else k
-    handle = name = None
-    if get_method(run.method).needs_chain:
+    handles: list[Any] = []
+    name: str | list[str] | None = None
+    method = get_method(run.method)
+    if method.needs_chain:
         z_init, counted = initial_assignment_placeholder(view, run)
-        handle = create_store_actor(dist.run_name, torch.from_numpy(view.observed), z_init,
-                                    k_latent, k, counted=counted)
-        name = store_actor_name(dist.run_name)
+        # one actor per chain (DivideLCCN: one per network), each with its own fence
+        names = [dist.run_name] + [f"{dist.run_name}-chain{i}"
+                                   for i in range(1, method.num_chains)]
+        try:
+            for n in names:
+                handles.append(create_store_actor(n, torch.from_numpy(view.observed), z_init,
+                                                  k_latent, k, counted=counted))
+        except BaseException:
+            for h in handles:
+                ray.kill(h, no_restart=True)
+            raise
+        name = [store_actor_name(n) for n in names]
+        name = name[0] if len(name) == 1 else name
+    handle = handles[0] if handles else None
     threads = threads_per_worker or max(1, int(cpus_per_worker))
     config = {"run": asdict(run), "dist": asdict(dist), "view": ray.put(view), "store": name,
               "namespace": ray.get_runtime_context().namespace, "threads": threads,
@@ -390,8 +407,8 @@ def fit_distributed(run: RunConfig, dist: DistConfig, view: LabelView, *,
         result = trainer.fit()
         store_stats = ray.get(handle.stats.remote()) if handle is not None else None
     finally:
-        if handle is not None:
-            ray.kill(handle, no_restart=True)  # the name is free for the next run
+        for h in handles:
+            ray.kill(h, no_restart=True)  # the name is free for the next run
         pruned = prune_checkpoints(Path(dist.run_dir) / "train" / dist.run_name)
         if pruned:
             print(f"removed {len(pruned)} checkpoint folder(s) Ray Train did not register: "
@@ -405,7 +422,13 @@ def fit_distributed(run: RunConfig, dist: DistConfig, view: LabelView, *,
         out["state"] = state
         if state["store"] is not None:
             # re-check the invariants on the driver side: raises if C != recount(z)
-            store = ConfusionStore.from_state_dict(state["store"])
-            store.check()
-            out["phi"] = store.transition()
+            chains = state["store"].get("chains", [state["store"]])
+            phis = []
+            for st in chains:
+                store = ConfusionStore.from_state_dict(st)
+                store.check()
+                phis.append(store.transition())
+            out["phi"] = phis[0]  # the first network's with one chain per network
+            if len(phis) > 1:
+                out["phis"] = phis
     return out

@@ -15,8 +15,8 @@ from torch import Tensor, nn
 
 from pipeline.config import RunConfig
 from pipeline.confusion_store import ConfusionStore
-from pipeline.engine import (Engine, EngineOptions, LocalChain, ProcessSession, TensorSource,
-                             select_epoch, transition_error)
+from pipeline.engine import (ChainSet, Engine, EngineOptions, LocalChain, ProcessSession,
+                             Session, TensorSource, select_epoch, transition_error)
 from pipeline.labels import LabelView, holdout_split
 from pipeline.lccn import GibbsLabeler
 from pipeline.monitor import CollapseMonitor, chain_health
@@ -26,6 +26,18 @@ class Batch(NamedTuple):
     """images (B,C,H,W) float; observed, idx, clean (B,) int64; valid (B,) bool."""
 
     images: Tensor
+    observed: Tensor
+    idx: Tensor
+    clean: Tensor
+    valid: Tensor
+
+
+class ViewsBatch(NamedTuple):
+    """A training batch with two augmented views of every image (DivideMix):
+    images, images2 (B,C,H,W) float; observed, idx, clean (B,) int64; valid (B,) bool."""
+
+    images: Tensor
+    images2: Tensor
     observed: Tensor
     idx: Tensor
     clean: Tensor
@@ -73,22 +85,32 @@ class TensorData:
         obs = self.labels.observed
         return TensorData(self.images, LabelView(obs, obs, self.labels.num_classes))
 
-    def batches(self, batch_size: int, *, generator: torch.Generator | None = None
-                ) -> Iterator[Batch]:
+    def batches(self, batch_size: int, *, generator: torch.Generator | None = None,
+                views: int = 1) -> Iterator[Batch] | Iterator[ViewsBatch]:
         """Shuffled (and augmented, if :attr:`augment` is set) when a generator is given;
-        the last batch may be smaller."""
+        the last batch may be smaller. ``views=2``: :class:`ViewsBatch` es whose two views
+        are :attr:`augment` applied twice (in that order, from the same generator; the
+        stored images twice without augmentation)."""
+        if views not in (1, 2):
+            raise ValueError(f"views must be 1 or 2, got {views}")
         n = len(self)
         order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
         for s in range(0, n, batch_size):
             idx = order[s:s + batch_size]
-            images = self.images[idx.to(self.images.device, non_blocking=True)]
-            if generator is not None and self.augment is not None:
-                images = self.augment(images, generator)
-            yield Batch(images, self.observed[idx], idx, self.clean[idx],
-                        torch.ones(idx.numel(), dtype=torch.bool))
+            stored = self.images[idx.to(self.images.device, non_blocking=True)]
+            augment = generator is not None and self.augment is not None
+            images = self.augment(stored, generator) if augment else stored
+            labels = (self.observed[idx], idx, self.clean[idx],
+                      torch.ones(idx.numel(), dtype=torch.bool))
+            if views == 1:
+                yield Batch(images, *labels)
+            else:
+                yield ViewsBatch(images, self.augment(stored, generator) if augment else stored,
+                                 *labels)
 
 
-__all__ = ["Batch", "LocalTrainer", "TensorData", "select_epoch", "transition_error"]
+__all__ = ["Batch", "LocalTrainer", "TensorData", "ViewsBatch", "select_epoch",
+           "transition_error"]
 
 
 class LocalTrainer:
@@ -106,10 +128,14 @@ class LocalTrainer:
     One generator (``self.gen``, seeded by ``cfg.seed``) draws the data order, the
     augmentations and the Gibbs steps. The networks exist from construction on (a caller
     may load weights into :attr:`model` before :meth:`fit`).
+
+    session: by default a :class:`~pipeline.engine.ProcessSession` (no checkpoints); a
+    ``pipeline.dist_worker.LocalSession`` writes a checkpoint at every epoch end (with the
+    generator's state) and a new trainer on the same session resumes from the newest.
     """
 
     def __init__(self, cfg: RunConfig, train: TensorData, test: TensorData, *,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", session: Session | None = None) -> None:
         k = train.labels.num_classes
         if test.labels.num_classes != k:
             raise ValueError(f"train has {k} classes but test has {test.labels.num_classes}")
@@ -131,10 +157,14 @@ class LocalTrainer:
                             generator=self.gen)
         from pipeline.methods import get_method
 
-        chain = (LocalChain(train.observed, k, generator=self.gen,
-                            check_invariants=cfg.check_invariants)
-                 if get_method(cfg.method).needs_chain else None)
-        self.engine = Engine(cfg, ProcessSession(device), data, chain=chain,
+        method = get_method(cfg.method)
+        chain = None
+        if method.needs_chain:
+            chains = [LocalChain(train.observed, k, generator=self.gen,
+                                 check_invariants=cfg.check_invariants)
+                      for _ in range(method.num_chains)]
+            chain = chains[0] if len(chains) == 1 else ChainSet(chains)
+        self.engine = Engine(cfg, session or ProcessSession(device), data, chain=chain,
                              options=EngineOptions(run_name="local", mixed_precision=True,
                                                    raise_on_collapse=True))
         self.k_latent = self.engine.k_latent
@@ -169,8 +199,17 @@ class LocalTrainer:
 
     @property
     def store(self) -> ConfusionStore | None:
+        """The chain's store (the first network's when each network has its own)."""
+        stores = self.stores
+        return stores[0] if stores else None
+
+    @property
+    def stores(self) -> list[ConfusionStore | None]:
+        """Every chain's store, one per network with a chain ([] without a chain)."""
         chain = self.engine.chain
-        return None if chain is None else chain.store
+        if chain is None:
+            return []
+        return [c.store for c in chain.chains] if isinstance(chain, ChainSet) else [chain.store]
 
     @property
     def labeler(self) -> GibbsLabeler | None:

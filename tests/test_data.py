@@ -525,3 +525,28 @@ def test_loader_counters_sum_over_ranks():
                                       "data_checksum_mismatch": 0.0, "data_read_retries": 2.0}
     doubled = loader_counters(stats, all_reduce_sum=lambda t: 2 * t)
     assert doubled["data_padded"] == 18.0 and doubled["data_skipped_samples"] == 20.0
+
+
+def test_two_views_are_two_augmentations_of_the_same_samples(tmp_path, cifar_images):
+    """views=2 (DivideMix): the same batches (idx, labels, first view) as one view, plus a
+    second, different augmentation of every image; reproducible on a re-read."""
+    from pipeline.data import ViewsBatch
+
+    write_split(tmp_path / "train", [10] * 4, cifar_images)
+    view = shifted_view(40, cifar_images)
+    cfg = replace(CFG, num_workers=0)
+
+    def stream(views):
+        return list(make_train_loader(tmp_path / "train", view, cfg, rank=0, world_size=1,
+                                      epoch=0, views=views))
+
+    one, two, again = stream(1), stream(2), stream(2)
+    assert len(one) == len(two) and all(isinstance(b, ViewsBatch) for b in two)
+    for a, b, c in zip(one, two, again):
+        assert torch.equal(a.idx, b.idx) and torch.equal(a.observed, b.observed)
+        assert b.images.shape == b.images2.shape == a.images.shape
+        assert torch.equal(b.images, c.images) and torch.equal(b.images2, c.images2)
+    # pad-and-crop and flip: the two views of a batch differ
+    assert all(not torch.equal(b.images, b.images2) for b in two)
+    with pytest.raises(ValueError, match="views must be 1 or 2"):
+        make_train_loader(tmp_path / "train", view, cfg, rank=0, world_size=1, epoch=0, views=3)

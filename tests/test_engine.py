@@ -19,8 +19,11 @@ def test_every_accepted_method_is_registered_and_unknown_names_are_errors():
         cls = get_method(name)
         assert issubclass(cls, Method) and cls.name == name
     assert get_method("lccn").needs_chain and not get_method("ce").needs_chain
-    with pytest.raises(ValueError, match="unknown method 'dividemix'; registered: ce, lccn"):
-        get_method("dividemix")
+    assert not get_method("dividemix").needs_chain
+    assert get_method("divide_lccn").needs_chain and get_method("divide_lccn").num_chains == 2
+    with pytest.raises(ValueError, match="unknown method 'mixup'; registered: ce, "
+                                         "divide_lccn, dividemix, lccn"):
+        get_method("mixup")
 
     class Other(Method):
         name = "ce"

@@ -6,6 +6,7 @@ from pipeline.methods.base import Method, get_method, register, registered
 
 # the built-in methods register themselves on import
 from pipeline.methods import ce as _ce  # noqa: E402,F401
+from pipeline.methods import divide as _divide  # noqa: E402,F401
 from pipeline.methods import lccn as _lccn  # noqa: E402,F401
 
 __all__ = ["Method", "get_method", "register", "registered"]

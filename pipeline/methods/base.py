@@ -10,6 +10,8 @@ calls the method at fixed points of every epoch::
     start_noise_phase(epoch)         once, at its first epoch (LCCN: phi_init, the initial
                                      assignment, the labeler); not again after a resume
                                      (noise_phase_started() reads the restored state)
+    train_views(epoch)               augmented views per image in this epoch's training
+                                     pass (2: DivideMix's batches carry images2)
     begin_epoch(epoch, steps)        per-epoch set-up (steps: batches per rank this epoch)
     train_epoch(epoch, batches, after_step)   every batch: targets, loss, backward, step;
                                      call after_step() after each optimiser step; returns
@@ -67,6 +69,7 @@ class Method:
 
     name = ""
     needs_chain = False  # a Gibbs chain backend (store) is required
+    num_chains = 1  # with needs_chain: one chain per network when > 1 (engine.ChainSet)
 
     def __init__(self, run: RunConfig, engine: Any) -> None:
         self.run, self.engine = run, engine
@@ -95,6 +98,10 @@ class Method:
 
     def start_noise_phase(self, epoch: int) -> dict[str, float]:
         return {}
+
+    def train_views(self, epoch: int) -> int:
+        """Augmented views per image in the training pass of ``epoch`` (1 or 2)."""
+        return 1
 
     def begin_epoch(self, epoch: int, steps_per_epoch: int) -> None:
         pass
