@@ -54,13 +54,13 @@ from torch import Tensor, nn
 
 from pipeline.config import RunConfig
 from pipeline.engine import (META_FILE, STATE_FILE, Engine, EngineOptions, Session,
-                             ShardSource, SharedChain, Tracking, _Forward, make_scheduler,
+                             ShardSource, SharedChain, Tracking, make_scheduler,
                              held_out_mask, transition_error)
 from pipeline.labels import LabelView
 from pipeline.lccn import GibbsLabeler, SampleStats
 
 __all__ = ["DistConfig", "DistLabeler", "LocalSession", "META_FILE", "STATE_FILE", "Session",
-           "load_state", "parse_failures", "run_worker", "transition_error", "_Forward",
+           "load_state", "parse_failures", "run_worker", "transition_error",
            "_scheduler"]
 
 FAILURE_MODES = ("exit", "raise", "kill_store")
@@ -94,6 +94,8 @@ class DistConfig:
         fire only once across restarts and resubmissions).
     verify_checksums: sha256 of every local shard against the manifest before it is read
         (once per shard and process; ``pipeline.data.LoaderConfig``).
+    s3_endpoint_url: endpoint of an S3-compatible store for ``s3://`` sources (None:
+        ``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL`` on each worker, else AWS).
     """
 
     run_name: str
@@ -114,6 +116,7 @@ class DistConfig:
     transition_every: int = 1
     inject_failure: str = ""
     verify_checksums: bool = True
+    s3_endpoint_url: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("lr_values", "class_names"):
@@ -261,7 +264,8 @@ def run_worker(run: RunConfig, dist: DistConfig, view: LabelView, store: Any,
     loader_cfg = LoaderConfig(batch_size=max(1, run.optim.batch_size // ws),
                               num_workers=dist.loader_workers, shuffle_buffer=dist.shuffle_buffer,
                               seed=run.seed, preset=dist.preset, pin_memory=cuda,
-                              verify_checksums=dist.verify_checksums)
+                              verify_checksums=dist.verify_checksums,
+                              s3_endpoint_url=dist.s3_endpoint_url)
     data = ShardSource(train_source=dist.train_source, test_source=dist.test_source, view=view,
                        loader_cfg=loader_cfg, rank=rank, world_size=ws, held_out=held_out)
     chain = (SharedChain(store, session, seed=run.seed, held_out=held_out)
