@@ -30,8 +30,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.config import (LCCNConfig, ModelConfig, MonitorConfig, OptimConfig,  # noqa: E402
-                             RunConfig)
+from pipeline.config import (METHODS, TRANSITIONS, BaselineConfig, LCCNConfig,  # noqa: E402
+                             ModelConfig, MonitorConfig, OptimConfig, RunConfig)
 from pipeline.dist_worker import DistConfig  # noqa: E402
 from pipeline.labels import LabelView  # noqa: E402
 from pipeline.manifest import Manifest  # noqa: E402
@@ -142,7 +142,11 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
     g.add_argument("--inject-failure", default="", help=argparse.SUPPRESS)  # tests only
 
     m = p.add_argument_group(f"method and recipe (defaults: the paper's {preset.name} recipe)")
-    m.add_argument("--method", choices=("lccn", "ce"), default="lccn")
+    m.add_argument("--method", choices=METHODS, default="lccn",
+                   help="lccn, the ce baseline, or a classic baseline: bootstrap (hard, "
+                        "Reed et al.), forward (Patrini et al.), sadapt (S-adaptation, "
+                        "Goldberger & Ben-Reuven), trevision (T-Revision, Xia et al.); each "
+                        "after the same CE pre-training")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--model", default=preset.model)
     m.add_argument("--pretrained", action=argparse.BooleanOptionalAction, default=preset.pretrained,
@@ -176,6 +180,18 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
     m.add_argument("--outlier", action="store_true", help="LCCN*: K+1 latent classes")
     m.add_argument("--trusted-fraction", type=float, default=0.0,
                    help="LCCN+: this fraction of samples with a clean label is trusted")
+    b = p.add_argument_group("classic baselines (BaselineConfig; defaults: the authors')")
+    b.add_argument("--bootstrap-beta", type=float, default=0.8,
+                   help="bootstrap: weight of the observed label against the network's arg max")
+    b.add_argument("--transition", choices=TRANSITIONS, default="anchor",
+                   help="forward, trevision: T from the pretrained network by anchor points "
+                        "or Eq. 8, or from --transition-file")
+    b.add_argument("--transition-file", type=Path, default=None,
+                   help="an oracle transition T[i, j] = P(observed=j | clean=i), one row per "
+                        "clean class (.npy, .json, .csv, .txt); implies --transition file")
+    b.add_argument("--revision-fraction", type=float, default=0.5,
+                   help="trevision: the last fraction of the noise phase that revises T "
+                        "(the rest reweights with T fixed)")
     m.add_argument("--val-fraction", type=float, default=0.05,
                    help="noisy validation split: this fraction of the training samples "
                         "(stratified by observed label, fixed by the seed) is never trained "
@@ -211,8 +227,36 @@ def run_config(args: argparse.Namespace) -> RunConfig:
                         targets=args.targets, ramp=args.ramp, anneal=anneal,
                         outlier=args.outlier,
                         use_trusted=args.trusted_fraction > 0),
+        baseline=baseline_config(args),
         monitor=MonitorConfig(stop=args.stop_on_collapse),
         val_fraction=args.val_fraction)
+
+
+def baseline_config(args: argparse.Namespace) -> BaselineConfig:
+    """The BaselineConfig of the parsed arguments; a transition file is made absolute (every
+    worker reads it) and implies ``--transition file``."""
+    path = args.transition_file
+    transition = "file" if path is not None else args.transition
+    if path is not None:
+        path = str(Path(path).expanduser().resolve())
+    try:
+        return BaselineConfig(bootstrap_beta=args.bootstrap_beta, transition=transition,
+                              transition_file=path, revision_fraction=args.revision_fraction)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+def check_transition_file(run: RunConfig, num_classes: int) -> None:
+    """Read the run's transition file (if any) before Ray starts: one clear line naming the
+    file when it is missing, malformed or of another class count."""
+    from pipeline.baselines import load_transition
+
+    if run.baseline.transition != "file" or run.method not in ("forward", "trevision"):
+        return
+    try:
+        load_transition(run.baseline.transition_file, num_classes)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def apply_smoke(args: argparse.Namespace) -> None:
@@ -541,6 +585,7 @@ def dataset_main(args: argparse.Namespace, *, job: str, preset: Preset, smoke: S
     except ValueError as e:  # ManifestError (a shard that does not match), a bad --noise spec
         raise SystemExit(f"error: {e}") from None
     run = run_config(args)
+    check_transition_file(run, view.num_classes)
     dist = dist_config(args, run_name=args.run_name, train=train, test=test,
                        class_names=manifest_classes(train), transform=preset.transform)
     return run_job(args, job=job, run=run, dist=dist, view=view, log=log)
