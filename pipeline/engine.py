@@ -834,7 +834,8 @@ class Engine:
                     "mlflow_run_id": self.run_id, "run_name": self.options.run_name,
                     "store_version": None if chain_state is None else int(chain_state["version"])}
             (Path(tmp) / META_FILE).write_text(json.dumps(meta, indent=1))
-            phi = None if chain_state is None else transition(chain_state["counts"])
+            phi = (transition(chain_state["counts"]) if chain_state is not None
+                   else self.method.current_transition())
             if tracker is not None and batch == 0:
                 tracker.log_metrics(metrics, step=epoch - 1)
                 if (phi is not None and self.method.noise_phase_started() and t.transition_every

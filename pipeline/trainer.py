@@ -216,5 +216,4 @@ class LocalTrainer:
         ``T_hat + ΔT``); None without either."""
         if self.store is not None:
             return self.store.transition()
-        current = getattr(self.method, "current_transition", None)
-        return None if current is None else current()
+        return self.method.current_transition()

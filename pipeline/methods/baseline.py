@@ -76,10 +76,6 @@ class BaselineMethod(Method):
         ``weight (B,)`` float (0 at padding)."""
         raise NotImplementedError
 
-    def current_transition(self) -> Tensor | None:
-        """The transition the method uses now, ``(K, K)``; None if it has none (yet)."""
-        return None
-
     def optimizer(self, epoch: int) -> torch.optim.Optimizer:
         """The optimiser that steps in ``epoch`` (the member's by default)."""
         return self.members[0].optimizer
@@ -114,7 +110,7 @@ class BaselineMethod(Method):
         t = self.current_transition()
         if t is None:
             return float("nan")
-        return transition_error(t.detach().cpu().to(torch.float64), self.engine.data.transition)
+        return transition_error(t, self.engine.data.transition)
 
     def observe_chain(self, state: dict | None, *, epoch: int,
                       row: dict[str, float] | None) -> dict[str, float]:

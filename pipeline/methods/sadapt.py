@@ -59,7 +59,9 @@ class SAdapt(BaselineMethod):
         return {"init_transition_error": self.transition_error()}
 
     def current_transition(self) -> Tensor | None:
-        return self.layer.transition().detach() if self.started else None
+        if not self.started:
+            return None
+        return self.layer.transition().detach().cpu().to(torch.float64)
 
     def loss(self, logits: Tensor, target: Tensor, weight: Tensor) -> Tensor:
         return self.layer.loss(logits, target, xi=self.run.lccn.xi, weight=weight)

@@ -75,7 +75,9 @@ class TRevision(BaselineMethod):
         return self.members[0].optimizer
 
     def current_transition(self) -> Tensor | None:
-        return self.slack.transition().detach() if self.started else None
+        if not self.started:
+            return None
+        return self.slack.transition().detach().cpu().to(torch.float64)
 
     def loss(self, logits: Tensor, target: Tensor, weight: Tensor) -> Tensor:
         if self._revising:
