@@ -293,5 +293,5 @@ def from_dict(cls: type[T], data: dict[str, Any]) -> T:
     return cls(**kwargs)
 
 
-_CONFIGS = {c.__name__: c for c in (LCCNConfig, BaselineConfig, OptimConfig, ModelConfig, MonitorConfig,
-                                    PerfConfig, RunConfig)}
+_CONFIGS = {c.__name__: c for c in (LCCNConfig, BaselineConfig, OptimConfig, ModelConfig,
+                                    MonitorConfig, PerfConfig, RunConfig)}

@@ -175,8 +175,8 @@ def test_learned_transition_is_checkpointed_and_resumed_exactly(method, epochs, 
                                                                 tmp_path, one_thread):
     """One worker, 20 steps per epoch, a checkpoint every 7 steps: a run that fails in its
     last epoch (S-adaptation: step 30 of 40, resumed from step 28; T-Revision: step 50 of
-    60, in the revision stage, resumed from step 49) and resumes ends with the same network, transition layer (slack) and optimiser
-    state as the uninterrupted run."""
+    60, in the revision stage, resumed from step 49) and resumes ends with the same network,
+    transition layer (slack) and optimiser state as the uninterrupted run."""
     from pipeline.dist_worker import DistConfig, LocalSession, load_state, run_worker
 
     train, test, view = digits_shards

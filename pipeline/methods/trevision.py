@@ -98,7 +98,8 @@ class TRevision(BaselineMethod):
                 "transition_rank_gap": self.transition_rank_gap()}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"trevision_slack": {k: v.detach().cpu() for k, v in self.slack.state_dict().items()},
+        slack = {k: v.detach().cpu() for k, v in self.slack.state_dict().items()}
+        return {"trevision_slack": slack,
                 "trevision_started": self.started,
                 "trevision_optimizer": (None if self.revision_optimizer is None
                                         else self.revision_optimizer.state_dict())}
