@@ -30,8 +30,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.config import (METHODS, DivideConfig, LCCNConfig, ModelConfig,  # noqa: E402
-                             MonitorConfig, OptimConfig, PerfConfig, RunConfig)
+from pipeline.config import (METHODS, TRANSITIONS, BaselineConfig, DivideConfig,  # noqa: E402
+                             LCCNConfig, ModelConfig, MonitorConfig, OptimConfig, PerfConfig,
+                             RunConfig)
 from pipeline.dist_worker import DistConfig  # noqa: E402
 from pipeline.labels import LabelView  # noqa: E402
 from pipeline.manifest import Manifest  # noqa: E402
@@ -149,7 +150,11 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
 
     m = p.add_argument_group(f"method and recipe (defaults: the paper's {preset.name} recipe)")
     m.add_argument("--method", choices=METHODS, default=preset.method,
-                   help="dividemix / divide_lccn train two networks (docs/methods.md)")
+                   help="lccn, the ce baseline, dividemix / divide_lccn (two networks), or a "
+                        "classic baseline: bootstrap (hard, Reed et al.), forward (Patrini et "
+                        "al.), sadapt (S-adaptation, Goldberger & Ben-Reuven), trevision "
+                        "(T-Revision, Xia et al.); each after the same CE pre-training "
+                        "(docs/methods.md)")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--model", default=preset.model)
     m.add_argument("--pretrained", action=argparse.BooleanOptionalAction, default=preset.pretrained,
@@ -202,6 +207,18 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
                         "(benchmarks/results/gpu.md); off by default")
     m.add_argument("--amp", choices=("auto", "bf16", "off"), default="auto",
                    help="bf16 autocast (PerfConfig.amp; auto = on for CUDA workers)")
+    b = p.add_argument_group("classic baselines (BaselineConfig; defaults: the authors')")
+    b.add_argument("--bootstrap-beta", type=float, default=0.8,
+                   help="bootstrap: weight of the observed label against the network's arg max")
+    b.add_argument("--transition", choices=TRANSITIONS, default="anchor",
+                   help="forward, trevision: T from the pretrained network by anchor points "
+                        "or Eq. 8, or from --transition-file")
+    b.add_argument("--transition-file", type=Path, default=None,
+                   help="an oracle transition T[i, j] = P(observed=j | clean=i), one row per "
+                        "clean class (.npy, .json, .csv, .txt); implies --transition file")
+    b.add_argument("--revision-fraction", type=float, default=0.5,
+                   help="trevision: the last fraction of the noise phase that revises T "
+                        "(the rest reweights with T fixed)")
     m.add_argument("--val-fraction", type=float, default=0.05,
                    help="noisy validation split: this fraction of the training samples "
                         "(stratified by observed label, fixed by the seed) is never trained "
@@ -238,6 +255,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
                         outlier=args.outlier,
                         use_trusted=args.trusted_fraction > 0,
                         commit_every=args.commit_every),
+        baseline=baseline_config(args),
         monitor=MonitorConfig(stop=args.stop_on_collapse),
         divide=DivideConfig(p_threshold=getattr(args, "p_threshold", 0.5),
                             mixmatch_alpha=getattr(args, "mixmatch_alpha", 4.0),
@@ -245,6 +263,33 @@ def run_config(args: argparse.Namespace) -> RunConfig:
                             conf_penalty=getattr(args, "conf_penalty", False)),
         perf=PerfConfig(compile=getattr(args, "compile", "off"), amp=getattr(args, "amp", "auto")),
         val_fraction=args.val_fraction)
+
+
+def baseline_config(args: argparse.Namespace) -> BaselineConfig:
+    """The BaselineConfig of the parsed arguments; a transition file is made absolute (every
+    worker reads it) and implies ``--transition file``."""
+    path = args.transition_file
+    transition = "file" if path is not None else args.transition
+    if path is not None:
+        path = str(Path(path).expanduser().resolve())
+    try:
+        return BaselineConfig(bootstrap_beta=args.bootstrap_beta, transition=transition,
+                              transition_file=path, revision_fraction=args.revision_fraction)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+def check_transition_file(run: RunConfig, num_classes: int) -> None:
+    """Read the run's transition file (if any) before Ray starts: one clear line naming the
+    file when it is missing, malformed or of another class count."""
+    from pipeline.baselines import load_transition
+
+    if run.baseline.transition != "file" or run.method not in ("forward", "trevision"):
+        return
+    try:
+        load_transition(run.baseline.transition_file, num_classes)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def apply_smoke(args: argparse.Namespace) -> None:
@@ -573,6 +618,7 @@ def dataset_main(args: argparse.Namespace, *, job: str, preset: Preset, smoke: S
     except ValueError as e:  # ManifestError (a shard that does not match), a bad --noise spec
         raise SystemExit(f"error: {e}") from None
     run = run_config(args)
+    check_transition_file(run, view.num_classes)
     dist = dist_config(args, run_name=args.run_name, train=train, test=test,
                        class_names=manifest_classes(train), transform=preset.transform)
     return run_job(args, job=job, run=run, dist=dist, view=view, log=log)

@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
     started = common.connect_ray()  # one Ray for both runs
     try:
         run = common.run_config(args)
+        common.check_transition_file(run, view.num_classes)
         dist = common.dist_config(args, run_name=args.run_name, train=str(train),
                                   test=str(test), class_names=classes,
                                   transform=PRESET.transform)

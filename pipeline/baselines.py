@@ -169,7 +169,7 @@ def load_transition(path: str | Path, num_classes: int, *, atol: float = 1e-3) -
 
 def forward_transition(source: str, num_classes: int, *, probs: Tensor | None = None,
                        observed: Tensor | None = None, path: str | Path | None = None,
-                       quantile: float = 0.97) -> Tensor:
+                       quantile: float = 0.97, reduce=None) -> Tensor:
     """The ``T (K, K)`` for :func:`forward_loss` (and the initial ``T`` of S-adaptation and
     T-Revision), from
 
@@ -180,16 +180,18 @@ def forward_transition(source: str, num_classes: int, *, probs: Tensor | None = 
       (the LCCN paper's Eq. 8, which Goldberger & Ben-Reuven also use to initialise);
     - ``"file"``: an oracle matrix at ``path`` (:func:`load_transition`).
 
-    Returns (K, K) float64, rows sum to 1.
+    ``reduce``: an optional sum over workers (all-reduce) of the estimates' partial
+    statistics, so every rank of a distributed run gets the same ``T`` from its own share
+    of ``probs`` (every rank must call this alike). Returns (K, K) float64, rows sum to 1.
     """
     if source == "anchor":
         if probs is None:
             raise ValueError("the anchor-point estimate needs the network's probs (N, K)")
-        return anchor_transition(probs, num_classes, quantile=quantile)
+        return anchor_transition(probs, num_classes, quantile=quantile, reduce=reduce)
     if source == "eq8":
         if probs is None or observed is None:
             raise ValueError("the Eq. 8 estimate needs probs (N, K) and observed (N,)")
-        return soft_confusion(probs, observed, num_classes)
+        return soft_confusion(probs, observed, num_classes, reduce=reduce)
     if source == "file":
         if path is None:
             raise ValueError("transition source 'file' needs a path")
@@ -282,8 +284,10 @@ def importance_weights(logits: Tensor, target: Tensor, T: Tensor, *,
 
 
 def reweight_loss(logits: Tensor, target: Tensor, T: Tensor, *,
-                  max_weight: float | None = None, detach_weights: bool = True) -> Tensor:
-    """Importance-reweighted cross-entropy ``mean_m β_m · CE(logits_m, target_m)``.
+                  max_weight: float | None = None, detach_weights: bool = True,
+                  weight: Tensor | None = None) -> Tensor:
+    """Importance-reweighted cross-entropy ``mean_m β_m · CE(logits_m, target_m)`` (with
+    ``weight (M,)``: ``Σ_m weight_m β_m CE_m / Σ_m weight_m``, e.g. 0 at padding).
 
     T-Revision's second stage trains with a fixed ``T_hat`` and *detached* β (the authors'
     ``reweight_loss`` re-wraps β as a fresh leaf); its revision stage keeps β in the graph
@@ -297,7 +301,10 @@ def reweight_loss(logits: Tensor, target: Tensor, T: Tensor, *,
     if detach_weights:
         beta = beta.detach()
     ce = F.cross_entropy(logits.float(), target.long(), reduction="none")
-    return (beta * ce).mean()
+    if weight is None:
+        return (beta * ce).mean()
+    w = weight.to(ce.dtype)
+    return (w * beta * ce).sum() / w.sum().clamp_min(1.0)
 
 
 class TRevisionSlack(nn.Module):
@@ -321,11 +328,12 @@ class TRevisionSlack(nn.Module):
         return self.T_hat + self.delta
 
     def loss(self, logits: Tensor, target: Tensor, *,
-             max_weight: float | None = None) -> Tensor:
-        """The revision-stage loss ``mean_m β_m(T_hat + ΔT) · CE(logits_m, target_m)``;
-        gradients reach ``ΔT`` (and the network) through β."""
+             max_weight: float | None = None, weight: Tensor | None = None) -> Tensor:
+        """The revision-stage loss ``mean_m β_m(T_hat + ΔT) · CE(logits_m, target_m)``
+        (``weight``-ed as :func:`reweight_loss`); gradients reach ``ΔT`` (and the
+        network) through β."""
         return reweight_loss(logits, target, self.transition(), max_weight=max_weight,
-                             detach_weights=False)
+                             detach_weights=False, weight=weight)
 
 
 # --------------------------------------------------------------------------------------

@@ -7,11 +7,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-METHODS = ("ce", "lccn", "dividemix", "divide_lccn")
+METHODS = ("ce", "lccn", "dividemix", "divide_lccn", "bootstrap", "forward", "sadapt",
+           "trevision")
 DIVISION_LOSSES = ("lccn", "prediction")
 WARMUPS = ("eq8", "identity", "anchor")
 INITS = ("argmax", "observed")
 TARGETS = ("sample", "posterior", "map")
+TRANSITIONS = ("anchor", "eq8", "file")
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,55 @@ class LCCNConfig:
         if isinstance(self.commit_every, bool) or not isinstance(self.commit_every, int) \
                 or self.commit_every < 1:
             raise ValueError(f"commit_every must be an integer >= 1, got {self.commit_every!r}")
+
+
+@dataclass(frozen=True)
+class BaselineConfig:
+    """Options of the classic baselines (:mod:`pipeline.methods`: bootstrap, forward,
+    sadapt, trevision; the maths is :mod:`pipeline.baselines`). Defaults are the authors'.
+
+    bootstrap_beta: β of hard bootstrapping, the observed label's weight against the
+        network's own arg max (Reed et al. 2015: 0.8).
+    transition: how Forward and T-Revision get ``T[i, j] = P(observed = j | clean = i)``
+        at the start of the noise phase. ``"anchor"`` (default; Patrini et al. 2017 and
+        Xia et al. 2019): anchor points of the pretrained network at
+        ``anchor_quantile``; ``"eq8"``: the soft confusion of the pretrained network
+        against the observed labels (the LCCN paper's Eq. 8); ``"file"``: an oracle or
+        externally estimated matrix at ``transition_file`` (``.npy``, ``.json``, ``.csv``,
+        ``.txt``; :func:`pipeline.baselines.load_transition`). S-adaptation always starts
+        from Eq. 8 (Goldberger & Ben-Reuven 2017).
+    transition_file: the matrix for ``transition="file"`` (an absolute path in a
+        distributed run: every worker reads it).
+    anchor_quantile: the anchors of class k are the samples whose P(k | x) is at or above
+        this quantile (0.97 as Patrini et al. and Xia et al.).
+    revision_fraction: T-Revision's revision stage takes this last fraction of the noise
+        phase, importance reweighting the rest (the authors: 200 + 200 epochs, 0.5).
+    revision_lr, revision_weight_decay: the revision stage's Adam over the network and
+        the slack (the authors: 5e-7, 1e-4).
+    """
+
+    bootstrap_beta: float = 0.8
+    transition: str = "anchor"
+    transition_file: str | None = None
+    anchor_quantile: float = 0.97
+    revision_fraction: float = 0.5
+    revision_lr: float = 5e-7
+    revision_weight_decay: float = 1e-4
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.bootstrap_beta <= 1:
+            raise ValueError(f"bootstrap_beta must lie in [0, 1], got {self.bootstrap_beta}")
+        if self.transition not in TRANSITIONS:
+            raise ValueError(f"transition must be one of {TRANSITIONS}, got {self.transition!r}")
+        if self.transition == "file" and not self.transition_file:
+            raise ValueError("transition 'file' needs transition_file (the matrix's path)")
+        if not 0 < self.anchor_quantile < 1:
+            raise ValueError(f"anchor_quantile must lie in (0, 1), got {self.anchor_quantile}")
+        if not 0 <= self.revision_fraction < 1:
+            raise ValueError(f"revision_fraction must lie in [0, 1), got {self.revision_fraction}")
+        if not self.revision_lr > 0 or self.revision_weight_decay < 0:
+            raise ValueError(f"need revision_lr > 0 and revision_weight_decay >= 0, got "
+                             f"{self.revision_lr}, {self.revision_weight_decay}")
 
 
 @dataclass(frozen=True)
@@ -255,9 +306,11 @@ class PerfConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """What to run: ``method`` is ``"ce"`` (baseline), ``"lccn"`` (variants via LCCNConfig),
-    ``"dividemix"`` or ``"divide_lccn"`` (two networks, via DivideConfig; DivideLCCN's chains
-    take their sampler settings from LCCNConfig).
+    """What to run: ``method`` is one of :data:`METHODS`: ``"ce"`` (baseline), ``"lccn"``
+    (variants via LCCNConfig), ``"dividemix"`` or ``"divide_lccn"`` (two networks, via
+    DivideConfig; DivideLCCN's chains take their sampler settings from LCCNConfig), or a
+    classic baseline (``"bootstrap"``, ``"forward"``, ``"sadapt"``, ``"trevision"``; options
+    in BaselineConfig).
 
     val_fraction: the noisy validation split, carved from the training label view
     (stratified by observed label, fixed by ``seed``) and never trained on nor counted in
@@ -270,6 +323,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     lccn: LCCNConfig = field(default_factory=LCCNConfig)
+    baseline: BaselineConfig = field(default_factory=BaselineConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     divide: DivideConfig = field(default_factory=DivideConfig)
     perf: PerfConfig = field(default_factory=PerfConfig)
@@ -300,5 +354,5 @@ def from_dict(cls: type[T], data: dict[str, Any]) -> T:
     return cls(**kwargs)
 
 
-_CONFIGS = {c.__name__: c for c in (LCCNConfig, OptimConfig, ModelConfig, MonitorConfig,
-                                    DivideConfig, PerfConfig, RunConfig)}
+_CONFIGS = {c.__name__: c for c in (LCCNConfig, BaselineConfig, OptimConfig, ModelConfig,
+                                    MonitorConfig, DivideConfig, PerfConfig, RunConfig)}

@@ -939,7 +939,8 @@ class Engine:
                     "store_version": None if chain_state is None else int(chain_state["version"])}
             (Path(tmp) / META_FILE).write_text(json.dumps(meta, indent=1))
             counts = chain_counts(chain_state)
-            phi = None if counts is None else transition(counts)
+            phi = (transition(counts) if counts is not None
+                   else self.method.current_transition())
             if tracker is not None and batch == 0:
                 tracker.log_metrics(metrics, step=epoch - 1)
                 if (phi is not None and self.method.noise_phase_started() and t.transition_every

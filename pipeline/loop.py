@@ -34,11 +34,16 @@ def train_one_epoch(model: nn.Module, batches: Iterable[Any], optimizer: torch.o
                     labeler: GibbsLabeler | None = None, trusted: Tensor | None = None,
                     xi: float = 1e-20, device: torch.device | str = "cpu",
                     num_classes: int | None = None,
-                    after_step: Callable[[], None] | None = None) -> dict[str, float]:
+                    after_step: Callable[[], None] | None = None,
+                    loss_fn: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
+                    before_step: Callable[[], None] | None = None) -> dict[str, float]:
     """One pass over ``batches``.
 
     labeler None: cross-entropy on the observed labels (CE; trusted samples, if a
-    ``trusted (N,) bool`` lookup is given, train on their clean label). Otherwise LCCN:
+    ``trusted (N,) bool`` lookup is given, train on their clean label), or
+    ``loss_fn(logits, labels, weight)`` on them (a baseline's loss; ``weight (B,)`` float
+    is 0 at padding). ``before_step()`` runs between backward and the optimiser step (a
+    method's own parameters outside DDP: all-reduce their gradients). Otherwise LCCN:
     forward -> Gibbs-sample z (Eq. 7) -> ξ-clipped CE on z (or, with
     ``targets="posterior"``, on the Eq. 7 conditional z was drawn from) -> backward ->
     optimiser step -> commit z (async; the store's reply is awaited by the next sample).
@@ -88,6 +93,8 @@ def train_one_epoch(model: nn.Module, batches: Iterable[Any], optimizer: torch.o
         w = valid_d.to(torch.float32)
         if labeler is not None and labeler.cfg.targets == "posterior":
             loss = soft_cross_entropy(logits, stats.posterior.to(dev), xi=xi, weight=w)
+        elif labeler is None and loss_fn is not None:
+            loss = loss_fn(logits, target, w)
         else:
             loss = clipped_cross_entropy(logits, target, xi=xi, weight=w)
         if labeler is not None and stats.ramp < 1.0:
@@ -97,6 +104,8 @@ def train_one_epoch(model: nn.Module, batches: Iterable[Any], optimizer: torch.o
                 logits, labels_d, xi=xi, weight=w)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if before_step is not None:
+            before_step()
         optimizer.step()
         if labeler is not None:
             # send the labels now: the round trip overlaps the next forward; the reply is

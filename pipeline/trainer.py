@@ -250,5 +250,9 @@ class LocalTrainer:
         return self.engine.fit()
 
     def transition(self) -> Tensor | None:
-        """The learned ``phi (K_latent, K)`` (rows sum to 1), or None without a chain."""
-        return None if self.store is None else self.store.transition()
+        """The learned ``phi (K_latent, K)`` (rows sum to 1) of the chain, or the
+        transition a baseline uses (Forward's ``T``, S-adaptation's layer, T-Revision's
+        ``T_hat + ΔT``); None without either."""
+        if self.store is not None:
+            return self.store.transition()
+        return self.method.current_transition()

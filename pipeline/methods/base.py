@@ -20,6 +20,7 @@ calls the method at fixed points of every epoch::
     observe_chain(state, epoch, row) rank 0, at a checkpoint: metrics from the chain state
                                      (row given at an epoch end: health, monitor)
     epoch_stats()                    extra per-rank row entries
+    current_transition()             a chain-free method's transition (MLflow), or None
     state_dict() / load_state_dict() what a checkpoint carries beyond the members
     evaluate(model, batches)         top1/top5/n over batches with clean labels
 
@@ -119,6 +120,11 @@ class Method:
 
     def epoch_stats(self) -> dict[str, float]:
         return {"staleness_max": 0.0}
+
+    def current_transition(self) -> Tensor | None:
+        """The transition a method without a chain estimates or learns, ``(K, K)`` (rank 0
+        logs it to MLflow as a chain's phi: heat maps, ``transition.csv``); None if none."""
+        return None
 
     # -- checkpoints ----------------------------------------------------------------------------
 
