@@ -132,7 +132,7 @@ def test_divide_lccn_keeps_one_valid_chain_per_network(runs, digits):
         s.check()
         assert int(s.counts.sum()) == n
         assert torch.equal(s.counts, count_matrix(s.z, s.observed, 10, 10))
-        assert s.version == steps                            # one commit per batch per chain
+        assert s.steps == steps      # every batch's labels applied once per chain (pushes of commit_every)
     assert not torch.equal(stores[0].z, stores[1].z)         # two chains, not one
     last = hist[-1]
     for key in ("transition_error", "transition_error_net2", "chain_gap", "latent_entropy",
@@ -180,7 +180,10 @@ def test_divide_lccn_co_refinement_is_co_refine_lccn_of_its_chain(digits, monkey
 
     monkeypatch.setattr(cls, "refine", spy_refine)
     monkeypatch.setattr(divide_methods, "mixmatch", spy_mixmatch)
-    trainer = LocalTrainer(_cfg("divide_lccn", epochs=2, pretrain=1), train, test)
+    # one commit per step, so the store itself holds the state each batch sampled against
+    cfg = _cfg("divide_lccn", epochs=2, pretrain=1)
+    cfg = replace(cfg, lccn=replace(cfg.lccn, commit_every=1))
+    trainer = LocalTrainer(cfg, train, test)
     trainer.fit()
     batches = -(-len(trainer.train) // 64)
     assert checked == {"refine": 2 * batches, "mix": 2 * batches}
