@@ -117,6 +117,24 @@ def comparison(lccn: dict, ce: dict | None, *, epochs: int) -> list[str]:
     return lines
 
 
+def prepare_run(args: argparse.Namespace) -> common.JobRun:
+    """Parsed arguments -> the LCCN run's configs and label view (digits shards written,
+    nothing trained yet; the CE baseline is not part of it)."""
+    log = common.prepare(args, job=JOB, preset=PRESET)
+    if args.smoke_test:
+        log = [f"[{JOB}] --smoke-test: 2 CPU workers, 3 epochs (1 CE), global batch 64, "
+               f"a checkpoint every {args.checkpoint_every} steps"]
+    data = args.run_dir / "data" / f"digits-seed{args.seed}"
+    train, test = write_digits_shards(data, seed=args.seed)
+    view = digits_view(train, rate=args.rate, seed=args.seed)
+    log.append(f"[{JOB}] {len(view)} training digits; shards in {data}")
+    log.append(f"[{JOB}] {noise_note(view, args.rate)}")
+    dist = common.dist_config(args, run_name=args.run_name, train=str(train), test=str(test),
+                              class_names=list(common.manifest_classes(str(train))),
+                              transform=PRESET.transform)
+    return common.JobRun(run=common.run_config(args), dist=dist, view=view, log=log)
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = get_args_parser().parse_args(argv)
     log = common.prepare(args, job=JOB, preset=PRESET)

@@ -505,6 +505,7 @@ class Tracking:
     params: dict[str, Any]
     class_names: tuple[str, ...] = ()
     transition_every: int = 1
+    tags: tuple[tuple[str, str], ...] = ()  # set on the MLflow run when it is created
 
 
 @dataclass
@@ -706,7 +707,7 @@ class Engine:
         if self.run_id is None and isinstance(self.chain, SharedChain):
             self.run_id = self.chain.client.get_meta("mlflow_run_id")  # restarted before
         self.tracker = Tracker(tracking_uri=t.uri, experiment=t.experiment,  # a checkpoint
-                               run_name=t.run_name, run_id=self.run_id)
+                               run_name=t.run_name, run_id=self.run_id, tags=dict(t.tags))
         self.run_id = self.tracker.start({"run": asdict(self.run), **t.params})
         if isinstance(self.chain, SharedChain):
             self.chain.client.set_meta("mlflow_run_id", self.run_id)
