@@ -9,6 +9,7 @@ import dataclasses
 import json
 import os
 import signal
+import time
 
 import pytest
 from ray import tune as ray_tune
@@ -168,6 +169,67 @@ def test_sweep_refuses_bad_input(tmp_path):
     space.write_text(json.dumps({"lccn.alpah": 1.0}))
     with pytest.raises(SystemExit, match="alpah"):
         sweep.main(["--smoke-test", "--sweep-dir", str(tmp_path), "--space", str(space)])
+
+
+@pytest.mark.parametrize("job", ["quickstart", "cifar", "clothing1m", "webvision"])
+def test_every_job_builds_a_trial_run_from_its_space(job, tmp_path):
+    """The trainable's run for each job (smoke data, nothing trained): the sampled point is
+    in the RunConfig, the run dir and name are the trial's, the MLflow run will be a child of
+    the parent run."""
+    from tune import sweep
+
+    point = sample_point(get_space(job), seed=5)
+    mod, args, jr = sweep.trial_run(point, job=job, job_argv=["--smoke-test"],
+                                    sweep_dir=str(tmp_path), trial_id="abc_00001",
+                                    tracking_uri=f"sqlite:///{tmp_path}/m.db",
+                                    experiment="lccn-sweep-x", parent_run_id="p123")
+    assert mod.JOB and args.run_name == "abc_00001"
+    assert jr.dist.run_dir == str(tmp_path / "trials" / "abc_00001")
+    assert jr.dist.run_name == "abc_00001" and jr.dist.experiment == "lccn-sweep-x"
+    assert dict(jr.dist.mlflow_tags) == {"mlflow.parentRunId": "p123",
+                                         "tune.trial_id": "abc_00001"}
+    for key, value in point.items():
+        section, field = key.split(".")
+        assert getattr(getattr(jr.run, section), field) == value, key
+    assert jr.run.val_fraction > 0 and len(jr.view) > 0
+
+
+def test_orphaned_placement_groups_are_released_and_others_kept():
+    """A placement group whose creating actor died (a Train controller killed with its
+    trial) is removed; one created by the driver (Tune's trials) or by a live actor is not."""
+    import ray
+    from ray.util.placement_group import placement_group, placement_group_table
+
+    from pipeline.ray_train import init_ray, release_orphaned_placement_groups
+
+    @ray.remote(num_cpus=0)
+    class Maker:
+        def make(self):
+            pg = placement_group([{"CPU": 0.01}])
+            ray.get(pg.ready(), timeout=60)
+            return pg.id.hex()
+
+    started = init_ray(num_cpus=1)
+    try:
+        mine = placement_group([{"CPU": 0.01}])
+        ray.get(mine.ready(), timeout=60)
+        dying, living = Maker.remote(), Maker.remote()
+        orphan = ray.get(dying.make.remote())
+        kept = ray.get(living.make.remote())
+        ray.kill(dying)
+        removed = []
+        for _ in range(50):  # the GCS marks the creator dead shortly after the kill
+            removed += release_orphaned_placement_groups()
+            if orphan in removed:
+                break
+            time.sleep(0.2)
+        assert orphan in removed and kept not in removed and mine.id.hex() not in removed
+        table = placement_group_table()
+        assert table[orphan]["state"] == "REMOVED"
+        assert table[kept]["state"] == table[mine.id.hex()]["state"] == "CREATED"
+    finally:
+        if started:
+            ray.shutdown()
 
 
 # -- a real sweep ------------------------------------------------------------------------------

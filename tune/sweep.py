@@ -72,20 +72,16 @@ def job_module(job: str):
     return importlib.import_module(JOBS[job])
 
 
-def run_trial(config: dict[str, Any], *, job: str, job_argv: list[str], sweep_dir: str,
-              tracking_uri: str | None, experiment: str, parent_run_id: str | None) -> None:
-    """Tune function trainable: one run of ``job`` with ``config`` (a sampled point, keys
-    like ``"lccn.alpha"``) applied to its RunConfig. The Train run's epoch reports go to Tune
-    through :class:`tune.reporting.EpochReport`; nothing is reported after ``fit()``. A trial
-    run again (a restored sweep) resumes its Train run from its last checkpoint."""
-    import ray.tune
-
+def trial_run(config: dict[str, Any], *, job: str, job_argv: list[str], sweep_dir: str,
+              trial_id: str, tracking_uri: str | None, experiment: str,
+              parent_run_id: str | None):
+    """The run of one trial, built and not started: ``(module, args, JobRun)`` of ``job``
+    with ``config`` (a sampled point, keys like ``"lccn.alpha"``) applied to its RunConfig,
+    run dir ``<sweep_dir>/trials/<trial_id>``, run name ``trial_id`` and the MLflow tags of
+    a child of ``parent_run_id``."""
     mod = job_module(job)
     import common
 
-    from tune.reporting import EpochReport
-
-    trial_id = ray.tune.get_context().get_trial_id()
     argv = list(job_argv) + ["--run-dir", str(Path(sweep_dir) / "trials" / trial_id),
                              "--run-name", trial_id, "--experiment", experiment]
     argv += ["--tracking-uri", tracking_uri] if tracking_uri else ["--no-tracking"]
@@ -101,7 +97,24 @@ def run_trial(config: dict[str, Any], *, job: str, job_argv: list[str], sweep_di
         tags.append(("mlflow.parentRunId", parent_run_id))
     dist = dataclasses.replace(dist, mlflow_tags=tuple(tags))
     log = jr.log + [f"[sweep] trial {trial_id}: {json.dumps(config, default=str)}"]
-    common.run_job(args, job=mod.JOB, run=run, dist=dist, view=jr.view, log=log,
+    return mod, args, common.JobRun(run=run, dist=dist, view=jr.view, log=log)
+
+
+def run_trial(config: dict[str, Any], **kwargs: Any) -> None:
+    """Tune function trainable: the trial's run (:func:`trial_run`) fitted on Ray. The Train
+    run's epoch reports go to Tune through :class:`tune.reporting.EpochReport`; nothing is
+    reported after ``fit()``. A trial run again (a restored sweep) resumes its Train run from
+    its last checkpoint."""
+    import ray.tune
+
+    job_module(kwargs["job"])
+    import common
+
+    from tune.reporting import EpochReport
+
+    trial_id = ray.tune.get_context().get_trial_id()
+    mod, args, jr = trial_run(config, trial_id=trial_id, **kwargs)
+    common.run_job(args, job=mod.JOB, run=jr.run, dist=jr.dist, view=jr.view, log=jr.log,
                    callbacks=[EpochReport()])
 
 
