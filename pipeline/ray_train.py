@@ -262,8 +262,8 @@ def train_loop_per_worker(config: dict) -> None:
 
 
 def release_orphaned_placement_groups() -> list[str]:
-    """Remove the placement groups whose creating actor is dead (not detached ones); returns
-    their ids.
+    """Remove the placement groups of this job whose creating actor is dead (not detached
+    ones); returns their ids. Call it from the driver (a sweep's).
 
     A Ray Train run's worker group reserves its CPUs/GPUs in a placement group created by the
     run's controller actor. When the controller is killed (Tune stopping a trial early kills
@@ -279,9 +279,12 @@ def release_orphaned_placement_groups() -> list[str]:
     from ray.core.generated import gcs_pb2
     from ray.util.placement_group import PlacementGroup, remove_placement_group
 
+    job = ray.get_runtime_context().get_job_id()
     removed = []
     for blob in global_state._connect_and_get_accessor().get_placement_group_table():
         pg = gcs_pb2.PlacementGroupTableData.FromString(blob)
+        if pg.creator_job_id.hex() != job:  # another job's: not ours to judge
+            continue
         by_actor = bool(pg.creator_actor_id) and not ray.ActorID(pg.creator_actor_id).is_nil()
         # a group created by a driver (Tune's trials) has no creator actor: never touched
         if (pg.state == gcs_pb2.PlacementGroupTableData.REMOVED or pg.is_detached

@@ -16,7 +16,7 @@ from ray import tune as ray_tune
 
 from pipeline.config import RunConfig
 from tune import results
-from tune.search_spaces import (METRIC, PAPER_ALPHAS, REPORTED_BESIDE, SPACES, TIME_ATTR,
+from tune.search_spaces import (METRIC, PAPER_ALPHAS, REPORTED_BESIDE, TIME_ATTR,
                                 apply_point, get_space, load_space, sample_point,
                                 scaled_lr_values, to_tune, with_alpha_grid)
 
