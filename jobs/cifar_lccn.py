@@ -42,8 +42,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = get_args_parser().parse_args(argv)
+def prepare_run(args: argparse.Namespace) -> common.JobRun:
+    """Parsed arguments -> the run's configs and label view (nothing trained yet)."""
     dataset = "cifar10" if args.smoke_test else args.dataset
     preset = common.PRESETS[dataset]
     if args.warmup is None:
@@ -53,7 +53,13 @@ def main(argv: list[str] | None = None) -> dict:
     log = [f"[{JOB}] {dataset}: warm-up transition {args.warmup}"]
     if args.smoke_test and args.dataset != "cifar10":
         log.append(f"[{JOB}] --smoke-test runs the CIFAR-10 recipe on generated images")
-    return common.dataset_main(args, job=JOB, preset=preset, smoke=SMOKE, extra_log=log)
+    return common.dataset_setup(args, job=JOB, preset=preset, smoke=SMOKE, extra_log=log)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = get_args_parser().parse_args(argv)
+    jr = prepare_run(args)
+    return common.run_job(args, job=JOB, run=jr.run, dist=jr.dist, view=jr.view, log=jr.log)
 
 
 if __name__ == "__main__":

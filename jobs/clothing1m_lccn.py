@@ -35,6 +35,11 @@ def get_args_parser() -> argparse.ArgumentParser:
                                  train_split="noisy_train", test_split="test")
 
 
+def prepare_run(args: argparse.Namespace) -> common.JobRun:
+    """Parsed arguments -> the run's configs and label view (nothing trained yet)."""
+    return common.dataset_setup(args, job=JOB, preset=PRESET, smoke=SMOKE)
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = get_args_parser().parse_args(argv)
     return common.dataset_main(args, job=JOB, preset=PRESET, smoke=SMOKE)

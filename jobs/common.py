@@ -445,9 +445,11 @@ def connect_ray() -> bool:
 
 
 def run_job(args: argparse.Namespace, *, job: str, run: RunConfig, dist: DistConfig,
-            view: LabelView, log: list[str] | None = None) -> dict[str, Any]:
+            view: LabelView, log: list[str] | None = None,
+            callbacks: list[Any] | None = None) -> dict[str, Any]:
     """Fit (or resume) the run on Ray, print a summary and write ``results/<run>.json``
-    under the run dir. Returns the summary dict."""
+    under the run dir. Returns the summary dict. ``callbacks``: Ray Train callbacks for the
+    trainer (a sweep trial's report to Tune)."""
     import ray
 
     from pipeline.ray_train import fit_distributed
@@ -463,7 +465,7 @@ def run_job(args: argparse.Namespace, *, job: str, run: RunConfig, dist: DistCon
     t0 = time.perf_counter()
     try:
         out = fit_distributed(run, dist, view, max_failures=args.max_failures,
-                              cpus_per_worker=args.cpus_per_worker)
+                              cpus_per_worker=args.cpus_per_worker, callbacks=callbacks)
     finally:
         if started:
             ray.shutdown()
@@ -595,9 +597,29 @@ def dataset_parser(*, job: str, preset: Preset, description: str, epilog: str,
     return p
 
 
+@dataclass
+class JobRun:
+    """Everything a job hands to :func:`run_job`: the configs, the label view and the log
+    lines to print first (built by a job's ``prepare_run(args)``; a sweep trial changes
+    ``run`` before running it)."""
+
+    run: RunConfig
+    dist: DistConfig
+    view: LabelView
+    log: list[str]
+
+
 def dataset_main(args: argparse.Namespace, *, job: str, preset: Preset, smoke: SmokeData,
                  extra_log: list[str] | None = None) -> dict[str, Any]:
     """The body of a dataset job: smoke data or the given shards -> label view -> run."""
+    jr = dataset_setup(args, job=job, preset=preset, smoke=smoke, extra_log=extra_log)
+    return run_job(args, job=job, run=jr.run, dist=jr.dist, view=jr.view, log=jr.log)
+
+
+def dataset_setup(args: argparse.Namespace, *, job: str, preset: Preset, smoke: SmokeData,
+                  extra_log: list[str] | None = None) -> JobRun:
+    """A dataset job up to the run: smoke data or the given shards -> label view ->
+    configs (nothing is trained)."""
     log = prepare(args, job=job, preset=preset) + list(extra_log or [])
     if args.smoke_test:
         out = args.run_dir / "smoke-data" / smoke.dataset
@@ -621,4 +643,4 @@ def dataset_main(args: argparse.Namespace, *, job: str, preset: Preset, smoke: S
     check_transition_file(run, view.num_classes)
     dist = dist_config(args, run_name=args.run_name, train=train, test=test,
                        class_names=manifest_classes(train), transform=preset.transform)
-    return run_job(args, job=job, run=run, dist=dist, view=view, log=log)
+    return JobRun(run=run, dist=dist, view=view, log=log)

@@ -117,10 +117,11 @@ def comparison(lccn: dict, ce: dict | None, *, epochs: int) -> list[str]:
     return lines
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = get_args_parser().parse_args(argv)
+def prepare_run(args: argparse.Namespace) -> common.JobRun:
+    """Parsed arguments -> the LCCN run's configs and label view (digits shards written,
+    nothing trained yet; the CE baseline is not part of it)."""
     log = common.prepare(args, job=JOB, preset=PRESET)
-    if args.smoke_test:  # the digits are tiny already: only fewer epochs
+    if args.smoke_test:
         log = [f"[{JOB}] --smoke-test: 2 CPU workers, 3 epochs (1 CE), global batch 64, "
                f"a checkpoint every {args.checkpoint_every} steps"]
     data = args.run_dir / "data" / f"digits-seed{args.seed}"
@@ -128,26 +129,32 @@ def main(argv: list[str] | None = None) -> dict:
     view = digits_view(train, rate=args.rate, seed=args.seed)
     log.append(f"[{JOB}] {len(view)} training digits; shards in {data}")
     log.append(f"[{JOB}] {noise_note(view, args.rate)}")
+    dist = common.dist_config(args, run_name=args.run_name, train=str(train), test=str(test),
+                              class_names=list(common.manifest_classes(str(train))),
+                              transform=PRESET.transform)
+    return common.JobRun(run=common.run_config(args), dist=dist, view=view, log=log)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = get_args_parser().parse_args(argv)
+    jr = prepare_run(args)
     baseline = (not args.smoke_test) if args.baseline is None else args.baseline
-    classes = list(common.manifest_classes(str(train)))
     started = common.connect_ray()  # one Ray for both runs
     try:
-        run = common.run_config(args)
-        common.check_transition_file(run, view.num_classes)
-        dist = common.dist_config(args, run_name=args.run_name, train=str(train),
-                                  test=str(test), class_names=classes,
-                                  transform=PRESET.transform)
-        summary = common.run_job(args, job=JOB, run=run, dist=dist, view=view, log=log)
+        common.check_transition_file(jr.run, jr.view.num_classes)
+        summary = common.run_job(args, job=JOB, run=jr.run, dist=jr.dist, view=jr.view,
+                                 log=jr.log)
         summary["experiment"] = args.experiment
         ce = None
         if baseline and args.method == "lccn":
             args.method = "ce"
-            dist_ce = common.dist_config(args, run_name=f"{args.run_name}-ce", train=str(train),
-                                         test=str(test), class_names=classes,
+            dist_ce = common.dist_config(args, run_name=f"{args.run_name}-ce",
+                                         train=jr.dist.train_source, test=jr.dist.test_source,
+                                         class_names=list(jr.dist.class_names),
                                          transform=PRESET.transform)
             ce = common.run_job(args, job=JOB, run=common.run_config(args), dist=dist_ce,
-                                view=view, log=[f"[{JOB}] the cross-entropy baseline: same "
-                                                f"model, data and schedule"])
+                                view=jr.view, log=[f"[{JOB}] the cross-entropy baseline: same "
+                                                   f"model, data and schedule"])
             args.method = "lccn"
     finally:
         if started:

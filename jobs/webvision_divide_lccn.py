@@ -39,6 +39,12 @@ def get_args_parser() -> argparse.ArgumentParser:
                                  train_split="train", test_split="val")
 
 
+def prepare_run(args: argparse.Namespace) -> common.JobRun:
+    """Parsed arguments -> the run's configs and label view (nothing trained yet)."""
+    return common.dataset_setup(args, job=JOB, preset=PRESET, smoke=SMOKE,
+                                extra_log=[f"[{JOB}] {NOT_YET}"])
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = get_args_parser().parse_args(argv)
     return common.dataset_main(args, job=JOB, preset=PRESET, smoke=SMOKE)

@@ -98,6 +98,8 @@ class DistConfig:
         (once per shard and process; ``pipeline.data.LoaderConfig``).
     s3_endpoint_url: endpoint of an S3-compatible store for ``s3://`` sources (None:
         ``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL`` on each worker, else AWS).
+    mlflow_tags: ``(key, value)`` pairs set on the MLflow run when it is created (a sweep
+        trial: ``mlflow.parentRunId`` of the sweep's parent run and its trial id).
     """
 
     run_name: str
@@ -119,11 +121,14 @@ class DistConfig:
     inject_failure: str = ""
     verify_checksums: bool = True
     s3_endpoint_url: str | None = None
+    mlflow_tags: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("lr_values", "class_names"):
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
+        object.__setattr__(self, "mlflow_tags",
+                           tuple((str(k), str(v)) for k, v in self.mlflow_tags))
         if not os.path.isabs(self.run_dir):
             raise ValueError(f"DistConfig.run_dir must be absolute (Ray workers chdir), got "
                              f"{self.run_dir!r}")
@@ -299,7 +304,8 @@ def run_worker(run: RunConfig, dist: DistConfig, view: LabelView, store: Any,
                             run_name=dist.run_name,
                             params={"dist": _public(dist), "world_size": ws,
                                     "num_samples": len(view)},
-                            class_names=dist.class_names, transition_every=dist.transition_every)
+                            class_names=dist.class_names, transition_every=dist.transition_every,
+                            tags=dist.mlflow_tags)
     options = EngineOptions(run_name=dist.run_name, checkpoint_every=dist.checkpoint_every,
                             pretrained=dist.pretrained, lr_values=dist.lr_values,
                             tracking=tracking, after_step=lambda step: failures(step, stores[0]),
@@ -311,6 +317,7 @@ def _public(dist: DistConfig) -> dict[str, Any]:
     d = asdict(dist)
     d.pop("inject_failure")
     d.pop("class_names")
+    d.pop("mlflow_tags")
     return d
 
 

@@ -596,6 +596,7 @@ class Tracking:
     params: dict[str, Any]
     class_names: tuple[str, ...] = ()
     transition_every: int = 1
+    tags: tuple[tuple[str, str], ...] = ()  # set on the MLflow run when it is created
 
 
 @dataclass
@@ -801,7 +802,7 @@ class Engine:
         if self.run_id is None and isinstance(meta, SharedChain):
             self.run_id = meta.client.get_meta("mlflow_run_id")  # restarted before
         self.tracker = Tracker(tracking_uri=t.uri, experiment=t.experiment,  # a checkpoint
-                               run_name=t.run_name, run_id=self.run_id)
+                               run_name=t.run_name, run_id=self.run_id, tags=dict(t.tags))
         self.run_id = self.tracker.start({"run": asdict(self.run), **t.params})
         if isinstance(meta, SharedChain):
             meta.client.set_meta("mlflow_run_id", self.run_id)

@@ -20,7 +20,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import LogNorm, Normalize
 from matplotlib.figure import Figure
 
-__all__ = ["as_matrix", "curves", "latent_names", "transition_heatmap"]
+__all__ = ["accuracy_vs", "as_matrix", "curves", "latent_names", "transition_heatmap"]
 
 MAX_TICK_LABELS = 30        # above this many classes, tick labels are left off
 LOG_FLOOR = 1e-3            # smallest probability shown on the log colour scale
@@ -150,4 +150,41 @@ def curves(history: Sequence[dict], *, keys: Sequence[str] = ("test_top1", "labe
         else:
             ax.text(0.5, 0.5, "no finite values", ha="center", va="center",
                     transform=ax.transAxes)
+    return fig
+
+
+def accuracy_vs(rows: Sequence[dict], *, x_key: str = "lccn.alpha",
+                keys: Sequence[str] = ("val_top1", "test_top1"), log_x: bool = True,
+                title: str = "") -> Figure:
+    """One point per row (a sweep trial) and key: ``row[key]`` against ``row[x_key]``, one
+    marker per key, on a log x axis unless ``log_x`` is False. Rows without a finite
+    ``x_key`` (or key) are left out; with no point left the figure says so."""
+    fig = _figure(5.5, 3.6)
+    ax = fig.subplots()
+    drawn = 0
+    for key, marker in zip(keys, "osD^v"):
+        pts = []
+        for row in rows:
+            try:
+                x, y = float(row.get(x_key)), float(row.get(key))
+            except (TypeError, ValueError):
+                continue
+            if math.isfinite(x) and math.isfinite(y) and (x > 0 or not log_x):
+                pts.append((x, y))
+        if pts:
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, linestyle="none",
+                    label=key)
+            drawn += len(pts)
+    ax.set_xlabel(x_key)
+    ax.set_ylabel("accuracy")
+    if title:
+        ax.set_title(title)
+    if drawn:
+        if log_x:
+            ax.set_xscale("log")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    else:
+        ax.text(0.5, 0.5, "no finite values", ha="center", va="center", transform=ax.transAxes)
     return fig

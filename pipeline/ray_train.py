@@ -264,6 +264,40 @@ def train_loop_per_worker(config: dict) -> None:
     run_worker(run, dist, view, store, session)
 
 
+def release_orphaned_placement_groups() -> list[str]:
+    """Remove the placement groups of this job whose creating actor is dead (not detached
+    ones); returns their ids. Call it from the driver (a sweep's).
+
+    A Ray Train run's worker group reserves its CPUs/GPUs in a placement group created by the
+    run's controller actor. When the controller is killed (Tune stopping a trial early kills
+    the trial's actor, and the controller with it), Ray keeps the group as long as the job
+    lives, and Train's own cleaner actor removes it only when Ray's state API answers: with
+    several local Ray instances on one machine it cannot tell which to ask, and the reserved
+    CPUs stay blocked, so the next trial's workers never start. The GCS table says which
+    creator is dead; this reads it through the connected driver (the public
+    ``placement_group_table`` leaves the creator out).
+    """
+    import ray
+    from ray._private.state import state as global_state
+    from ray.core.generated import gcs_pb2
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    job = ray.get_runtime_context().get_job_id()
+    removed = []
+    for blob in global_state._connect_and_get_accessor().get_placement_group_table():
+        pg = gcs_pb2.PlacementGroupTableData.FromString(blob)
+        if pg.creator_job_id.hex() != job:  # another job's: not ours to judge
+            continue
+        by_actor = bool(pg.creator_actor_id) and not ray.ActorID(pg.creator_actor_id).is_nil()
+        # a group created by a driver (Tune's trials) has no creator actor: never touched
+        if (pg.state == gcs_pb2.PlacementGroupTableData.REMOVED or pg.is_detached
+                or not by_actor or not pg.creator_actor_dead):
+            continue
+        remove_placement_group(PlacementGroup(ray.PlacementGroupID(pg.placement_group_id)))
+        removed.append(pg.placement_group_id.hex())
+    return removed
+
+
 def _step_of(checkpoint_dir: Path) -> int | None:
     try:
         return int(json.loads((checkpoint_dir / META_FILE).read_text())["global_step"])
@@ -350,7 +384,8 @@ def initial_assignment_placeholder(view: LabelView, run: RunConfig) -> tuple[Ten
 def fit_distributed(run: RunConfig, dist: DistConfig, view: LabelView, *,
                     max_failures: int = 1, threads_per_worker: int | None = None,
                     cpus_per_worker: float = 1.0,
-                    fault: dict[str, Any] | None = None) -> dict[str, Any]:
+                    fault: dict[str, Any] | None = None,
+                    callbacks: list[Any] | None = None) -> dict[str, Any]:
     """Run (or resume) ``dist.run_name`` on the Ray cluster this process is connected to
     (:func:`init_ray` first if it is not).
 
@@ -360,6 +395,8 @@ def fit_distributed(run: RunConfig, dist: DistConfig, view: LabelView, *,
     them), "store": the final StoreActor stats (the first chain's)}``. Raises
     ``ray.train.TrainingFailedError`` when the run fails more than ``max_failures`` times.
     ``fault``: tests only, ``{"rank", "report", "marker"}`` of a :class:`ReportFault`.
+    ``callbacks``: Ray Train ``UserCallback`` objects for the trainer's RunConfig (a sweep
+    trial forwards each epoch's report to Tune through one, :mod:`tune.reporting`).
     """
     import ray
     import ray.train
@@ -402,7 +439,8 @@ def fit_distributed(run: RunConfig, dist: DistConfig, view: LabelView, *,
         run_config=ray.train.RunConfig(
             name=dist.run_name, storage_path=str(Path(dist.run_dir) / "train"),
             failure_config=ray.train.FailureConfig(max_failures=max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2)))
+            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
+            callbacks=list(callbacks or [])))
     try:
         result = trainer.fit()
         store_stats = ray.get(handle.stats.remote()) if handle is not None else None

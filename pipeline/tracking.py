@@ -126,13 +126,16 @@ class Tracker:
         otherwise; a server decides for itself (``--default-artifact-root`` /
         ``--artifacts-destination``).
     run_id: resume this run (continue logging into it) instead of creating one.
+    tags: set on the run when it is created (e.g. ``{"mlflow.parentRunId": ...}`` makes it
+        a child run of a sweep's parent run).
 
     Attributes after :meth:`start`: ``run_id``, ``experiment_id``; ``dropped`` maps a metric
     key to how many non-finite values were left out.
     """
 
     def __init__(self, *, tracking_uri: str | None, experiment: str, run_name: str,
-                 run_id: str | None = None, artifact_location: str | None = None) -> None:
+                 run_id: str | None = None, artifact_location: str | None = None,
+                 tags: Mapping[str, str] | None = None) -> None:
         if not experiment:
             raise ValueError("experiment name must be non-empty")
         self.tracking_uri = tracking_uri or default_tracking_uri(os.getcwd())
@@ -140,6 +143,7 @@ class Tracker:
         self.run_name = run_name
         self.run_id = run_id
         self.artifact_location = artifact_location
+        self.tags = {str(k): str(v) for k, v in (tags or {}).items()}
         self.experiment_id: str | None = None
         self.client = MlflowClient(tracking_uri=self.tracking_uri)
         self.dropped: dict[str, int] = {}
@@ -197,7 +201,8 @@ class Tracker:
                 del flat[key]
         else:
             self.experiment_id = self._experiment_id()
-            run = self.client.create_run(self.experiment_id, run_name=self.run_name)
+            run = self.client.create_run(self.experiment_id, run_name=self.run_name,
+                                         tags=self.tags or None)
             self.run_id = run.info.run_id
         items = [Param(k, v) for k, v in flat.items()] + [RunTag(k, v) for k, v in tags.items()]
         for chunk in _chunks(items, MAX_PARAMS_TAGS_PER_BATCH):

@@ -1,39 +1,61 @@
 """Sweeps: every search space samples into a valid RunConfig, bad keys and values are
-refused with their name, and a real 2-trial Ray Tune sweep of the digits smoke runs."""
+refused with their name, trials are ranked on the noisy validation accuracy and never on the
+test accuracy, and one real Ray Tune sweep of the digits smoke (3 trials, per-epoch reports,
+ASHA) is interrupted and restored, with its parent and child runs in MLflow."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
+import time
 
 import pytest
+from ray import tune as ray_tune
 
 from pipeline.config import RunConfig
-from tune.search_spaces import METRIC, SPACES, apply_point, get_space, sample_point
+from tune import results
+from tune.search_spaces import (METRIC, PAPER_ALPHAS, REPORTED_BESIDE, TIME_ATTR,
+                                apply_point, get_space, load_space, sample_point,
+                                scaled_lr_values, to_tune, with_alpha_grid)
+
+KNOBS = {"lccn.alpha", "lccn.anneal", "lccn.warmup_steps", "lccn.warmup", "lccn.targets",
+         "lccn.ramp", "optim.lr"}
 
 
-@pytest.mark.parametrize("name", ["digits", "cifar10", "clothing1m", "webvision"])
+@pytest.mark.parametrize("name", ["quickstart", "cifar", "clothing1m", "webvision"])
 def test_every_space_samples_a_valid_run_config(name):
     space = get_space(name)
-    assert "lccn.alpha" in space
+    assert set(space) >= KNOBS
+    assert space["lccn.alpha"] == {"loguniform": [0.01, 1000.0]}
     base = RunConfig()
     seen_alphas = set()
-    for seed in range(20):
+    for seed in range(30):
         point = sample_point(space, seed=seed)
         run = apply_point(base, point)
-        assert isinstance(run, RunConfig)
         for key, value in point.items():
             section, field = key.split(".")
             assert getattr(getattr(run, section), field) == value, key
         # untouched fields keep the base's values
         assert run.optim.epochs == base.optim.epochs and run.method == base.method
         seen_alphas.add(run.lccn.alpha)
-        assert 0.1 <= run.lccn.alpha <= 10.0
-    assert len(seen_alphas) > 10  # really sampled, not a constant
+        assert 0.01 <= run.lccn.alpha <= 1000.0
+    assert len(seen_alphas) > 20  # really sampled, not a constant
+    assert min(seen_alphas) < 0.3 and max(seen_alphas) > 30  # log-uniform: both decades
+
+
+def test_alpha_grid_is_the_papers_and_a_grid_for_tune():
+    space = with_alpha_grid(get_space("quickstart"))
+    assert to_tune(space)["lccn.alpha"] == {"grid_search": list(PAPER_ALPHAS)}
+    assert PAPER_ALPHAS == (0.01, 0.1, 0.5, 1.0, 5.0, 10.0, 100.0, 1000.0)
+    from tune.sweep import expected_trials
+
+    assert expected_trials(space, 2) == 16
 
 
 def test_sampling_is_seeded():
-    space = get_space("digits")
+    space = get_space("quickstart")
     assert sample_point(space, seed=3) == sample_point(space, seed=3)
     assert sample_point(space, seed=3) != sample_point(space, seed=4)
 
@@ -66,36 +88,289 @@ def test_unknown_space_name_raises():
         get_space("imagenet")
 
 
-def test_sweep_smoke_two_trials(tmp_path):
-    """A real local Ray sweep: 2 trials of the digits quickstart smoke (2 Train workers each,
-    one trial at a time on the CPU), each with its own run dir and MLflow run."""
-    import mlflow
+def test_space_file_is_checked_naming_file_and_key(tmp_path):
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"lccn.alpha": {"grid": [1, 10]}, "optim.lr": 0.1}))
+    assert load_space(good) == {"lccn.alpha": {"grid": [1, 10]}, "optim.lr": 0.1}
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"lccn.alpha": {"loguniform": [0, 10]}}))
+    with pytest.raises(ValueError, match=r"bad\.json.*lccn\.alpha.*lo > 0"):
+        load_space(bad)
+    bad.write_text(json.dumps({"optim.lr": {"normal": [0, 1]}}))
+    with pytest.raises(ValueError, match=r"optim\.lr.*kind"):
+        load_space(bad)
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match=r"bad\.json"):
+        load_space(bad)
 
+
+def test_piecewise_lr_schedule_is_scaled():
+    assert scaled_lr_values((0.5, 0.1, 0.01), 0.25) == pytest.approx((0.25, 0.05, 0.005))
+    assert scaled_lr_values((), 0.25) == ()
+
+
+# -- ranking: noisy validation, never the test set ------------------------------------------
+
+
+def _trial(tid, epochs, status="finished"):
+    return {"trial_id": tid, "config": {"lccn.alpha": float(len(tid))}, "status": status,
+            "history": [{TIME_ATTR: e + 1, METRIC: v, REPORTED_BESIDE: t}
+                        for e, (v, t) in enumerate(epochs)]}
+
+
+def test_ranking_uses_validation_not_test_accuracy():
+    """Trial a has the better noisy validation accuracy, trial b the better test accuracy
+    at every epoch: a ranking on the test accuracy (or leaking it) puts b first."""
+    trials = [_trial("b", [(0.50, 0.95), (0.55, 0.97)]),
+              _trial("a", [(0.60, 0.70), (0.80, 0.75), (0.70, 0.90)]),
+              _trial("ccc", [(0.30, 0.99)], status="stopped early")]
+    rows = results.rank_trials(trials)
+    assert [r["trial_id"] for r in rows] == ["a", "b", "ccc"]
+    a = rows[0]
+    # the selected epoch is a's best validation epoch (2), with the test accuracy of that
+    # epoch (0.75) -- not a's best test epoch (3, 0.90)
+    assert (a["rank"], a[METRIC], a[REPORTED_BESIDE], a["selected_epoch"]) == (1, 0.80, 0.75, 2)
+    assert (a[f"last_{METRIC}"], a[f"last_{REPORTED_BESIDE}"]) == (0.70, 0.90)
+    assert rows[2]["status"] == "stopped early" and rows[2][TIME_ATTR] == 1
+
+
+def test_ranking_keeps_trials_without_validation_last_and_dedups_resumed_epochs():
+    trials = [_trial("x", [(float("nan"), 0.9)]),
+              {"trial_id": "y", "config": {}, "status": "finished",
+               "history": [{TIME_ATTR: 1, METRIC: 0.2, REPORTED_BESIDE: 0.3},
+                           {TIME_ATTR: 1, METRIC: 0.4, REPORTED_BESIDE: 0.5}]}]
+    rows = results.rank_trials(trials)
+    assert [(r["trial_id"], r["rank"]) for r in rows] == [("y", 1), ("x", None)]
+    assert rows[0][METRIC] == 0.4  # the resumed trial's last report of epoch 1 wins
+    md = results.to_markdown(rows)
+    assert "| 1 | y |" in md and "Ranked by val_top1" in md
+    csv_text = results.to_csv(rows)
+    assert csv_text.splitlines()[0].startswith("rank,trial_id,status,epochs_done")
+
+
+def test_epoch_report_forwards_epoch_ends_only():
+    from tune.reporting import epoch_result
+
+    assert epoch_result({"epoch": 0.0, "global_step": 10.0}) is None  # mid-epoch checkpoint
+    out = epoch_result({"epoch": 2.0, METRIC: 0.5, REPORTED_BESIDE: 0.6, "loss": 1.0,
+                        "flag": True, "name": "x"})
+    assert out == {"epoch": 2.0, METRIC: 0.5, REPORTED_BESIDE: 0.6, "loss": 1.0,
+                   TIME_ATTR: 3}
+
+
+def test_sweep_refuses_bad_input(tmp_path):
     from tune import sweep
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
-    out = sweep.main(["--smoke-test", "--sweep-dir", str(tmp_path), "--name", "t", "--seed", "1",
-                      "--tracking-uri", uri])
-    assert out["errors"] == 0, [t["error"] for t in out["trials"]]
-    trials = out["trials"]
-    assert len(trials) == 2
-    ids = [t["trial_id"] for t in trials]
-    assert len(set(ids)) == 2 and all(ids)
-    for t in trials:
-        # the metric Tune ranked is the run's own final test accuracy, and a trained one
-        # (10 classes: chance is 0.1; the smoke runs reach 0.6-0.9)
-        result = tmp_path / "trials" / t["trial_id"] / "results" / f"{t['trial_id']}.json"
-        assert t[METRIC] == json.loads(result.read_text())["metrics"][METRIC]
-        assert t[METRIC] > 0.3, t
-        assert (tmp_path / "tune" / "t" / t["trial_id"]).is_dir()
-    alphas = [t["config"]["lccn.alpha"] for t in trials]
-    assert alphas[0] != alphas[1]
-    assert out["best_config"]["lccn.alpha"] in alphas
-    assert out["best_metric"] == max(t[METRIC] for t in trials)
+    with pytest.raises(SystemExit, match="val-fraction"):
+        sweep.main(["--smoke-test", "--sweep-dir", str(tmp_path), "--", "--val-fraction", "0"])
+    with pytest.raises(SystemExit, match="nope"):
+        sweep.main(["--smoke-test", "--sweep-dir", str(tmp_path), "--space", "nope"])
+    space = tmp_path / "s.json"
+    space.write_text(json.dumps({"lccn.alpah": 1.0}))
+    with pytest.raises(SystemExit, match="alpah"):
+        sweep.main(["--smoke-test", "--sweep-dir", str(tmp_path), "--space", str(space)])
 
-    client = mlflow.tracking.MlflowClient(uri)
+
+@pytest.mark.parametrize("job", ["quickstart", "cifar", "clothing1m", "webvision"])
+def test_every_job_builds_a_trial_run_from_its_space(job, tmp_path):
+    """The trainable's run for each job (smoke data, nothing trained): the sampled point is
+    in the RunConfig, the run dir and name are the trial's, the MLflow run will be a child of
+    the parent run."""
+    from tune import sweep
+
+    point = sample_point(get_space(job), seed=5)
+    mod, args, jr = sweep.trial_run(point, job=job, job_argv=["--smoke-test"],
+                                    sweep_dir=str(tmp_path), trial_id="abc_00001",
+                                    tracking_uri=f"sqlite:///{tmp_path}/m.db",
+                                    experiment="lccn-sweep-x", parent_run_id="p123")
+    assert mod.JOB and args.run_name == "abc_00001"
+    assert jr.dist.run_dir == str(tmp_path / "trials" / "abc_00001")
+    assert jr.dist.run_name == "abc_00001" and jr.dist.experiment == "lccn-sweep-x"
+    assert dict(jr.dist.mlflow_tags) == {"mlflow.parentRunId": "p123",
+                                         "tune.trial_id": "abc_00001"}
+    for key, value in point.items():
+        section, field = key.split(".")
+        assert getattr(getattr(jr.run, section), field) == value, key
+    assert jr.run.val_fraction > 0 and len(jr.view) > 0
+
+
+def test_orphaned_placement_groups_are_released_and_others_kept():
+    """A placement group whose creating actor died (a Train controller killed with its
+    trial) is removed; one created by the driver (Tune's trials) or by a live actor is not."""
+    import ray
+    from ray.util.placement_group import placement_group, placement_group_table
+
+    from pipeline.ray_train import init_ray, release_orphaned_placement_groups
+
+    @ray.remote(num_cpus=0)
+    class Maker:
+        def make(self):
+            pg = placement_group([{"CPU": 0.01}])
+            ray.get(pg.ready(), timeout=60)
+            return pg.id.hex()
+
+    started = init_ray(num_cpus=1)
+    try:
+        mine = placement_group([{"CPU": 0.01}])
+        ray.get(mine.ready(), timeout=60)
+        dying, living = Maker.remote(), Maker.remote()
+        orphan = ray.get(dying.make.remote())
+        kept = ray.get(living.make.remote())
+        ray.kill(dying)
+        removed = []
+        for _ in range(50):  # the GCS marks the creator dead shortly after the kill
+            removed += release_orphaned_placement_groups()
+            if orphan in removed:
+                break
+            time.sleep(0.2)
+        assert orphan in removed and kept not in removed and mine.id.hex() not in removed
+        table = placement_group_table()
+        assert table[orphan]["state"] == "REMOVED"
+        assert table[kept]["state"] == table[mine.id.hex()]["state"] == "CREATED"
+    finally:
+        if started:
+            ray.shutdown()
+
+
+# -- a real sweep ------------------------------------------------------------------------------
+
+
+class InterruptAfter(ray_tune.Callback):
+    """Tune callback of the test: logs every trial start to ``log`` and, once ``n`` trials
+    have completed, interrupts the sweep as Ctrl+C would (SIGUSR1, which Tune handles like
+    SIGINT). Fires once per ``marker`` file, so the restored sweep (which keeps its
+    callbacks) runs to the end."""
+
+    def __init__(self, n, log, marker):
+        self.n, self.log, self.marker, self.done = n, str(log), str(marker), 0
+
+    def on_trial_start(self, iteration, trials, trial, **info):
+        with open(self.log, "a") as f:
+            f.write("start:" + trial.trial_id + "\n")
+
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        with open(self.log, "a") as f:
+            f.write("complete:" + trial.trial_id + "\n")
+        self.done += 1
+        if self.done >= self.n and not os.path.exists(self.marker):
+            open(self.marker, "w").write(f"interrupted after {trial.trial_id}\n")
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+
+@pytest.fixture(scope="module")
+def interrupted_sweep(tmp_path_factory):
+    """3 trials of the digits smoke (3 epochs, 1 CE) under ASHA (grace 1 epoch, factor 2):
+    the second has a learning rate too small to learn anything in an epoch, so ASHA stops it
+    at the first rung. The sweep is interrupted after two trials complete and then run
+    again with the same command."""
+    from tune import sweep
+
+    d = tmp_path_factory.mktemp("sweep")
+    space = d / "space.json"
+    space.write_text(json.dumps({"lccn.alpha": {"loguniform": [0.01, 1000.0]},
+                                 "optim.lr": {"grid": [0.05, 1e-6, 0.05]}}))
+    uri = f"sqlite:///{d}/mlflow.db"
+    argv = ["--smoke-test", "--num-samples", "1", "--space", str(space), "--sweep-dir", str(d),
+            "--name", "t", "--seed", "1", "--tracking-uri", uri]
+    first = sweep.main(argv, callbacks=[InterruptAfter(2, d / "starts.log", d / "marker")])
+    events_first = (d / "starts.log").read_text().split()
+    second = sweep.main(argv)
+    return {"dir": d, "uri": uri, "first": first, "second": second,
+            "events_first": events_first, "events": (d / "starts.log").read_text().split()}
+
+
+def test_sweep_reports_every_epoch_and_asha_stops_the_weak_trial(interrupted_sweep):
+    out = interrupted_sweep["second"]
+    assert out["complete"] and out["errors"] == 0, out["trials"]
+    rows = out["trials"]
+    assert len(rows) == 3 and len({r["trial_id"] for r in rows}) == 3
+    by_lr = sorted(rows, key=lambda r: r["optim.lr"])
+    weak = by_lr[0]
+    assert weak["optim.lr"] == 1e-6
+    assert weak["status"] == "stopped early" and weak[TIME_ATTR] == 1, weak
+    finished = [r for r in rows if r["status"] == "finished"]
+    assert finished and all(r[TIME_ATTR] == 3 for r in finished)
+    # per-epoch results reached Tune: the finished trial's progress has epochs 1, 2, 3
+    from ray.tune import ExperimentAnalysis
+
+    ana = ExperimentAnalysis(str(interrupted_sweep["dir"] / "tune" / "t"))
+    df = ana.trial_dataframes
+    first = next(r for r in finished)
+    trial_df = next(v for k, v in df.items() if k.endswith(first["trial_id"]))
+    assert sorted(set(trial_df[TIME_ATTR].dropna().astype(int))) == [1, 2, 3]
+    assert trial_df[METRIC].notna().all() and trial_df[REPORTED_BESIDE].notna().all()
+
+
+def test_sweep_ranks_by_noisy_validation(interrupted_sweep):
+    out = interrupted_sweep["second"]
+    rows = out["trials"]
+    assert out["metric"] == METRIC == "val_top1"
+    ranked = [r for r in rows if r["rank"] is not None]
+    assert [r["rank"] for r in ranked] == list(range(1, len(ranked) + 1))
+    assert [r[METRIC] for r in ranked] == sorted((r[METRIC] for r in ranked), reverse=True)
+    assert out["best_metric"] == ranked[0][METRIC] and out["best_metric"] > 0.3
+    assert out["best_test_top1"] == ranked[0][REPORTED_BESIDE]
+    # the value ranked is the trial's own best noisy-validation epoch from its Train run
+    best = ranked[0]
+    summary = json.loads((interrupted_sweep["dir"] / "trials" / best["trial_id"] / "results"
+                          / f"{best['trial_id']}.json").read_text())
+    assert summary["selected"]["val_top1"] == pytest.approx(best[METRIC])
+    assert summary["selected"]["test_top1"] == pytest.approx(best[REPORTED_BESIDE])
+
+
+def test_restored_sweep_runs_only_the_missing_trials(interrupted_sweep):
+    first, second = interrupted_sweep["first"], interrupted_sweep["second"]
+    assert not first["complete"] and not first["restored"]
+    assert second["complete"] and second["restored"]
+    events, n_first = interrupted_sweep["events"], len(interrupted_sweep["events_first"])
+    done_before = {e.split(":")[1] for e in events[:n_first] if e.startswith("complete:")}
+    started_again = {e.split(":")[1] for e in events[n_first:] if e.startswith("start:")}
+    # the two trials that had completed before the interruption are not started again
+    assert len(done_before) == 2
+    assert started_again and not done_before & started_again, (done_before, started_again)
+    started = {e.split(":")[1] for e in events if e.startswith("start:")}
+    assert {r["trial_id"] for r in second["trials"]} == started and len(started) == 3
+    for r in first["trials"]:
+        if r["trial_id"] in done_before:  # their results are the ones kept
+            after = next(a for a in second["trials"] if a["trial_id"] == r["trial_id"])
+            assert (after[METRIC], after[TIME_ATTR]) == (r[METRIC], r[TIME_ATTR])
+            assert r["status"] in ("finished", "stopped early")
+
+
+def test_mlflow_holds_parent_children_table_and_plot(interrupted_sweep):
+    from mlflow import MlflowClient
+
+    out = interrupted_sweep["second"]
+    client = MlflowClient(interrupted_sweep["uri"])
     exp = client.get_experiment_by_name("lccn-sweep-t")
     runs = client.search_runs([exp.experiment_id])
-    assert sorted(r.info.run_name for r in runs) == sorted(ids)
-    by_name = {r.info.run_name: r.data.metrics[METRIC] for r in runs}
-    assert all(by_name[t["trial_id"]] == pytest.approx(t[METRIC]) for t in trials)
+    parents = [r for r in runs if r.data.tags.get("sweep_role") == "parent"]
+    assert len(parents) == 1  # the restored sweep reused its parent
+    parent = parents[0]
+    assert parent.info.run_id == out["parent_run_id"] == interrupted_sweep["first"]["parent_run_id"]
+    assert parent.info.status == "FINISHED"
+    assert parent.data.metrics[f"best_{METRIC}"] == pytest.approx(out["best_metric"])
+    assert parent.data.metrics["stopped_early"] >= 1
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id
+                and r.data.tags.get("tune.superseded") != "true"]
+    by_trial = {r["trial_id"]: r for r in out["trials"]}
+    assert sorted(c.info.run_name for c in children) == sorted(by_trial)
+    for c in children:
+        row = by_trial[c.info.run_name]
+        assert float(c.data.params["run.lccn.alpha"]) == pytest.approx(row["lccn.alpha"])
+        assert float(c.data.params["run.optim.lr"]) == pytest.approx(row["optim.lr"])
+        hist = client.get_metric_history(c.info.run_id, METRIC)
+        steps = {m.step for m in hist}  # one value per epoch run (a stopped trial may log
+        assert steps >= set(range(row[TIME_ATTR]))  # the epoch it was running when stopped)
+        assert len(steps) == row[TIME_ATTR] or row["status"] == "stopped early"
+        assert c.data.tags["tune.status"] == row["status"]
+        assert c.info.status == ("FINISHED" if row["status"] == "finished" else "KILLED")
+    names = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"results.csv", "results.md", "accuracy_vs_alpha.png"} <= names
+    local = client.download_artifacts(parent.info.run_id, "results.csv",
+                                      str(interrupted_sweep["dir"] / "dl"))
+    lines = open(local).read().splitlines()
+    assert len(lines) == 4 and "val_top1" in lines[0] and "test_top1" in lines[0]
+    png = client.download_artifacts(parent.info.run_id, "accuracy_vs_alpha.png",
+                                    str(interrupted_sweep["dir"] / "dl"))
+    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"

@@ -3,7 +3,9 @@
 :mod:`tune.search_spaces` holds the search spaces as plain data keyed by config field names
 (``"lccn.alpha"``) and :func:`tune.search_spaces.apply_point`, which checks a sampled point by
 building the frozen :class:`pipeline.config.RunConfig` from it. :mod:`tune.sweep` is the
-driver (``python -m tune.sweep --smoke-test``).
+driver (``python -m tune.sweep --job quickstart --smoke-test``), :mod:`tune.reporting` takes
+each epoch of a trial's Train run to Tune, :mod:`tune.results` ranks the trials on the noisy
+validation accuracy and writes the table.
 
 Note: this package shadows nothing in Ray (Ray's is ``ray.tune``), but a script run from
 ``tune/`` itself must not ``import tune`` expecting Ray.

@@ -1,33 +1,44 @@
-"""Ray Tune sweep over the LCCN quickstart: each trial builds and fits the same
-``TorchTrainer`` as ``jobs/quickstart_ray.py`` (through :func:`jobs.common.run_job`, i.e.
-:func:`pipeline.ray_train.fit_distributed`) with a sampled point of a search space
+"""Ray Tune sweeps over the LCCN jobs: each trial builds and fits its job's ``TorchTrainer``
+(``jobs/quickstart_ray.py``, ``jobs/cifar_lccn.py``, ``jobs/clothing1m_lccn.py``,
+``jobs/webvision_divide_lccn.py``) with a sampled point of a search space
 (:mod:`tune.search_spaces`) put into its RunConfig.
+
+Every epoch of a trial's Train run reaches Tune (:mod:`tune.reporting`), so ASHA stops weak
+trials after 1, 2, 4, ... epochs (``--scheduler fifo``: never). Trials are stopped and ranked
+by ``val_top1`` (max), the accuracy on the noisy validation split (``--val-fraction`` of the
+training samples, against their observed labels: what a user with noisy data has); the
+clean ``test_top1`` is reported beside it and never used to choose (:mod:`tune.results`).
 
 Layout (``--sweep-dir``, absolute)::
 
-    <sweep-dir>/tune/<name>/<trial_id>/     Tune's trial folders (trials named by trial id)
-    <sweep-dir>/trials/<trial_id>/          the trial's run dir: shards, Ray Train storage,
-                                            results/<trial_id>.json
-    <sweep-dir>/mlflow.db                   one MLflow store; experiment ``lccn-sweep-<name>``,
-                                            one MLflow run per trial, named by trial id
+    <sweep-dir>/tune/<name>/            Tune's experiment (trial folders named by trial id)
+    <sweep-dir>/trials/<trial_id>/      the trial's run dir: data, Ray Train storage and
+                                        checkpoints, results/<trial_id>.json
+    <sweep-dir>/<name>/results.csv|.md  the ranked table; accuracy_vs_alpha.png
+    <sweep-dir>/mlflow.db               MLflow: experiment ``lccn-sweep-<name>``, one parent
+                                        run named <name>, one child run per trial (named by
+                                        trial id: its params and per-epoch metrics)
 
-Trials are ranked by one metric, ``test_top1`` (max), the final test top-1 of the trial's
-run. The Tune function reports once, after ``fit()`` (mid-epoch checkpoint reports carry no
-test metric, so Train reports are not forwarded). At most ``max(1, GPUs // workers)`` trials
-run at once with ``--gpu``, one on the CPU. The trial driver asks for no CPU (only memory,
-``{"cpu": 0}`` alone is refused) so that its two Train workers fit on a 2-CPU machine.
+An interrupted sweep (Ctrl+C, a crash of the driver) continues when run again with the same
+``--name`` and ``--sweep-dir``: ``Tuner.restore`` keeps the finished trials, resumes the
+unfinished ones (each from its Train run's last checkpoint) and starts the missing ones.
 
-    python -m tune.sweep --smoke-test [--sweep-dir DIR]      # 2 trials of the digits smoke
-    python -m tune.sweep --num-samples 8 -- --epochs 30      # after "--": quickstart options
+At most as many trials run at once as the cluster has room for: GPUs over the workers of a
+trial with ``--gpu``, else CPUs over the CPUs of a trial's workers (``--max-concurrent``
+lowers it). The trial driver asks for memory and no CPU, so that two workers fit on 2 CPUs.
 
-Only the ``digits`` space is wired to a job so far; the other spaces are data for the
-dataset jobs (``jobs/cifar_lccn.py`` ...).
+    python -m tune.sweep --job quickstart --smoke-test [--sweep-dir DIR]   # 3 short trials
+    python -m tune.sweep --job quickstart --num-samples 8 -- --epochs 30   # after --: job options
+    python -m tune.sweep --job cifar --alpha-grid --name a -- --data DIR/cifar10 --gpu
+    python -m tune.sweep --job clothing1m --space my_space.json -- --data DIR/clothing1m
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
+import importlib
 import json
 import math
 import sys
@@ -35,151 +46,398 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ray.tune import Callback
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "jobs"))
 sys.path.insert(0, str(REPO))
 
-from tune.search_spaces import METRIC, MODE, SPACES, apply_point, get_space  # noqa: E402
+from tune.search_spaces import (METRIC, MODE, REPORTED_BESIDE, SPACES, TIME_ATTR,  # noqa: E402
+                                apply_point, get_space, load_space, sample_point,
+                                scaled_lr_values, to_tune, with_alpha_grid)
 
 TRIAL_MEMORY = 256 * 1024**2  # bytes the trial driver reserves (it takes no CPU)
+JOBS = {"quickstart": "quickstart_ray", "cifar": "cifar_lccn",
+        "clothing1m": "clothing1m_lccn", "webvision": "webvision_divide_lccn"}
+PARENT_TAG = "sweep_role"  # tag of the parent run ("parent"); children carry mlflow.parentRunId
 
 
-def run_trial(config: dict[str, Any], *, job_argv: list[str], sweep_dir: str,
-              tracking_uri: str | None, experiment: str) -> None:
-    """Tune function trainable: one quickstart run with ``config`` (a sampled point, keys
-    like ``"lccn.alpha"``) applied to its RunConfig. Reports ``{METRIC: ...}`` and the run's
-    other final float metrics once, after ``fit()``."""
-    import ray.tune
-
-    for path in (str(REPO), str(REPO / "jobs")):  # pickled by value when run as __main__
+def job_module(job: str):
+    """The job's module (``jobs/<name>.py``): ``get_args_parser``, ``prepare_run``, ``JOB``."""
+    for path in (str(REPO), str(REPO / "jobs")):  # in a Ray worker, too
         if path not in sys.path:
             sys.path.insert(0, path)
-    import common
-    import quickstart_ray as qs
+    if job not in JOBS:
+        raise ValueError(f"unknown job {job!r}; known: {sorted(JOBS)}")
+    return importlib.import_module(JOBS[job])
 
-    trial_id = ray.tune.get_context().get_trial_id()
+
+def trial_run(config: dict[str, Any], *, job: str, job_argv: list[str], sweep_dir: str,
+              trial_id: str, tracking_uri: str | None, experiment: str,
+              parent_run_id: str | None):
+    """The run of one trial, built and not started: ``(module, args, JobRun)`` of ``job``
+    with ``config`` (a sampled point, keys like ``"lccn.alpha"``) applied to its RunConfig,
+    run dir ``<sweep_dir>/trials/<trial_id>``, run name ``trial_id`` and the MLflow tags of
+    a child of ``parent_run_id``."""
+    mod = job_module(job)
+    import common
+
     argv = list(job_argv) + ["--run-dir", str(Path(sweep_dir) / "trials" / trial_id),
                              "--run-name", trial_id, "--experiment", experiment]
     argv += ["--tracking-uri", tracking_uri] if tracking_uri else ["--no-tracking"]
-    args = qs.get_args_parser().parse_args(argv)
-    log = common.prepare(args, job=qs.JOB, preset=qs.PRESET)
-    data = args.run_dir / "data" / f"digits-seed{args.seed}"
-    train, test = qs.write_digits_shards(data, seed=args.seed)
-    view = qs.digits_view(train, rate=args.rate, seed=args.seed)
-    run = apply_point(common.run_config(args), config)
-    log.append(f"[sweep] trial {trial_id}: {json.dumps(config, default=str)} -> lccn "
-               f"{run.lccn}")
-    dist = common.dist_config(args, run_name=trial_id, train=str(train), test=str(test),
-                              class_names=common.manifest_classes(str(train)),
-                              transform=qs.PRESET.transform)
-    summary = common.run_job(args, job=qs.JOB, run=run, dist=dist, view=view, log=log)
-    metrics = {k: float(v) for k, v in summary["metrics"].items()
-               if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    if METRIC not in metrics:
-        raise RuntimeError(f"trial {trial_id}: the run reported no {METRIC!r} (got "
-                           f"{sorted(metrics)}); is there a test split?")
-    metrics["seconds"] = float(summary["seconds"])
-    ray.tune.report(metrics)
+    args = mod.get_args_parser().parse_args(argv)
+    jr = mod.prepare_run(args)
+    run = apply_point(jr.run, config)
+    dist = jr.dist
+    if dist.lr_values and run.optim.lr != jr.run.optim.lr:  # piecewise schedule: scale it
+        dist = dataclasses.replace(dist, lr_values=scaled_lr_values(dist.lr_values,
+                                                                    run.optim.lr))
+    tags = [("tune.trial_id", trial_id)]
+    if parent_run_id:
+        tags.append(("mlflow.parentRunId", parent_run_id))
+    dist = dataclasses.replace(dist, mlflow_tags=tuple(tags))
+    log = jr.log + [f"[sweep] trial {trial_id}: {json.dumps(config, default=str)}"]
+    return mod, args, common.JobRun(run=run, dist=dist, view=jr.view, log=log)
+
+
+def run_trial(config: dict[str, Any], **kwargs: Any) -> None:
+    """Tune function trainable: the trial's run (:func:`trial_run`) fitted on Ray. The Train
+    run's epoch reports go to Tune through :class:`tune.reporting.EpochReport`; nothing is
+    reported after ``fit()``. A trial run again (a restored sweep) resumes its Train run from
+    its last checkpoint."""
+    import ray.tune
+
+    job_module(kwargs["job"])
+    import common
+
+    from tune.reporting import EpochReport
+
+    trial_id = ray.tune.get_context().get_trial_id()
+    mod, args, jr = trial_run(config, trial_id=trial_id, **kwargs)
+    common.run_job(args, job=mod.JOB, run=jr.run, dist=jr.dist, view=jr.view, log=jr.log,
+                   callbacks=[EpochReport()])
 
 
 def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--dataset", choices=sorted(SPACES), default="digits",
-                   help="search space (and job) to sweep; only digits runs so far")
-    p.add_argument("--num-samples", type=int, default=8, help="trials")
-    p.add_argument("--name", default=None, help="sweep name (default sweep-<dataset>-<time>)")
+    p.add_argument("--job", choices=sorted(JOBS), default="quickstart",
+                   help="the job each trial runs (default quickstart: the digits)")
+    p.add_argument("--space", default=None,
+                   help=f"search space: a name ({', '.join(sorted(SPACES))}) or a JSON file of "
+                        f"config key -> spec (default: the job's space)")
+    p.add_argument("--alpha-grid", action="store_true",
+                   help="sweep lccn.alpha over the paper's grid 0.01 ... 1000 (8 values, each "
+                        "--num-samples times) instead of log-uniform")
+    p.add_argument("--num-samples", type=int, default=None,
+                   help="trials (times the size of any grid; default 8, 3 with --smoke-test)")
+    p.add_argument("--scheduler", choices=("asha", "fifo"), default="asha",
+                   help="asha: stop weak trials early on val_top1; fifo: run every trial out")
+    p.add_argument("--grace-period", type=int, default=1,
+                   help="ASHA: epochs every trial runs before it can be stopped")
+    p.add_argument("--reduction-factor", type=int, default=2,
+                   help="ASHA: about 1/this of the trials go on at each rung")
+    p.add_argument("--max-concurrent", type=int, default=None,
+                   help="at most this many trials at once (default: what the cluster holds)")
+    p.add_argument("--name", default=None,
+                   help="sweep name (default sweep-<job>-<time>); an existing sweep of this "
+                        "name under --sweep-dir is resumed")
     p.add_argument("--sweep-dir", type=Path, default=None,
                    help="absolute sweep folder (default $LCCN_RUNS or ~/lccn_runs/sweep)")
     p.add_argument("--seed", type=int, default=0, help="seed of Tune's random search")
-    p.add_argument("--gpu", action="store_true", help="trials train on GPUs (passes --gpu)")
-    p.add_argument("--num-workers", type=int, default=2, help="Ray Train workers per trial")
     p.add_argument("--tracking-uri", default=None,
-                   help="MLflow URI (default sqlite:///<sweep-dir>/mlflow.db)")
+                   help="MLflow URI (default $MLFLOW_TRACKING_URI, else "
+                        "sqlite:///<sweep-dir>/mlflow.db)")
     p.add_argument("--no-tracking", action="store_true")
     p.add_argument("--smoke-test", action="store_true",
-                   help="2 trials of the digits quickstart --smoke-test on the CPU")
-    p.add_argument("job_args", nargs="*", help="after '--': options of jobs/quickstart_ray.py")
+                   help="3 trials of the job's --smoke-test (2 CPU workers, 3 epochs)")
+    p.add_argument("job_args", nargs="*",
+                   help="after '--': options of the job (--data, --gpu, --num-workers, "
+                        "--epochs, ...)")
     return p
 
 
-def max_concurrent(*, gpu: bool, num_workers: int) -> int:
-    """Trials at once: the GPUs of the cluster over the GPUs a trial takes (>= 1); 1 on CPU."""
+def max_concurrent(*, gpu: bool, num_workers: int, cpus_per_worker: float) -> int:
+    """Trials at once: the cluster's GPUs over a trial's GPUs with ``gpu``, else its CPUs
+    over a trial's CPUs (>= 1)."""
     import ray
 
-    if not gpu:
-        return 1
-    return max(1, int(ray.cluster_resources().get("GPU", 0)) // max(1, num_workers))
+    res = ray.cluster_resources()
+    if gpu:
+        return max(1, int(res.get("GPU", 0)) // max(1, num_workers))
+    return max(1, int(res.get("CPU", 0) // max(1e-9, num_workers * cpus_per_worker)))
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run the sweep; returns ``{"name", "sweep_dir", "metric", "mode", "best_config",
-    "best_metric", "trials": [{"trial_id", "config", METRIC, "error"}], "errors": int}``."""
+def expected_trials(space: dict[str, Any], num_samples: int) -> int:
+    """Trials Tune makes: ``num_samples`` times the product of the grid sizes."""
+    grid = math.prod(len(spec["grid"]) for spec in space.values()
+                     if isinstance(spec, dict) and "grid" in spec)
+    return num_samples * grid
+
+
+def resolve_space(args: argparse.Namespace) -> dict[str, Any]:
+    name = args.space or args.job
+    if name in SPACES:
+        space = get_space(name)
+    elif args.space and Path(args.space).suffix == ".json":
+        try:
+            space = load_space(args.space)
+        except ValueError as e:
+            raise SystemExit(f"error: --space {e}") from None
+    else:
+        raise SystemExit(f"error: --space {name!r}: neither a space ({sorted(SPACES)}) nor a "
+                         f".json file")
+    if args.alpha_grid:
+        space = with_alpha_grid(space)
+    from pipeline.config import RunConfig
+
+    try:  # every key names a config field, every value the configs accept
+        for seed in range(3):
+            apply_point(RunConfig(), sample_point(space, seed=seed))
+    except ValueError as e:
+        raise SystemExit(f"error: --space {name}: {e}") from None
+    return space
+
+
+def parent_tracker(tracking_uri: str, experiment: str, name: str, params: dict[str, Any]):
+    """The sweep's parent MLflow run: the existing one of ``experiment`` (a resumed sweep)
+    or a new one named ``name``."""
+    from mlflow import MlflowClient
+
+    from pipeline.tracking import Tracker
+
+    client = MlflowClient(tracking_uri)
+    run_id = None
+    exp = client.get_experiment_by_name(experiment)
+    if exp is not None:
+        found = client.search_runs([exp.experiment_id],
+                                   filter_string=f"tags.{PARENT_TAG} = 'parent'")
+        run_id = found[0].info.run_id if found else None
+    tracker = Tracker(tracking_uri=tracking_uri, experiment=experiment, run_name=name,
+                      run_id=run_id, tags={PARENT_TAG: "parent"})
+    tracker.start(params)
+    return tracker
+
+
+def trial_records(grid, *, epochs: int) -> list[dict[str, Any]]:
+    """One dict per trial of the ResultGrid: ``trial_id``, ``config``, ``status``
+    (finished / stopped early / error / unfinished: not run to its end, in an interrupted
+    sweep), ``history`` (its per-epoch results), ``error``."""
+    tune_status = {Path(t.path).name: t.status for t in
+                   getattr(getattr(grid, "_experiment_analysis", None), "trials", None) or []
+                   if getattr(t, "path", None)}
+    out = []
+    for res in grid:
+        trial_id = Path(res.path).name
+        hist = []
+        if res.metrics_dataframe is not None:
+            hist = res.metrics_dataframe.to_dict("records")
+        elif res.metrics:
+            hist = [dict(res.metrics)]
+        done = max((int(r[TIME_ATTR]) for r in hist
+                    if isinstance(r.get(TIME_ATTR), (int, float)) and r[TIME_ATTR] == r[TIME_ATTR]),
+                   default=0)
+        status = ("error" if res.error is not None else
+                  "unfinished" if tune_status.get(trial_id, "TERMINATED") != "TERMINATED" else
+                  "finished" if done >= epochs else "stopped early")
+        out.append({"trial_id": trial_id, "config": dict(res.config or {}),
+                    "status": status, "history": hist,
+                    "error": None if res.error is None else str(res.error).splitlines()[0]})
+    return out
+
+
+def finish_tracking(tracker, rows: list[dict[str, Any]], *, out_dir: Path) -> None:
+    """Log the files of ``out_dir`` (the table as CSV and Markdown, the accuracy-vs-alpha
+    plot) to the parent run, the best trial's accuracies as its metrics, and close the
+    children: rank and status as tags, a trial stopped early ``KILLED``, an errored one
+    ``FAILED``."""
+    client = tracker.client
+    for path in sorted(out_dir.iterdir()):
+        client.log_artifact(tracker.run_id, str(path))
+    best = rows[0] if rows and rows[0]["rank"] is not None else None
+    tracker.log_metrics({"trials": len(rows),
+                         "stopped_early": sum(r["status"] == "stopped early" for r in rows),
+                         "errors": sum(r["status"] == "error" for r in rows),
+                         f"best_{METRIC}": best[METRIC] if best else math.nan,
+                         f"best_{REPORTED_BESIDE}": (best[REPORTED_BESIDE] if best and
+                                                     best[REPORTED_BESIDE] is not None
+                                                     else math.nan)}, step=0)
+    by_trial = {r["trial_id"]: r for r in rows}
+    children = client.search_runs([tracker.experiment_id],
+                                  filter_string=f"tags.mlflow.parentRunId = '{tracker.run_id}'",
+                                  order_by=["attributes.start_time DESC"])
+    seen = set()
+    for child in children:  # newest first
+        trial_id = child.data.tags.get("tune.trial_id")
+        row = by_trial.get(trial_id)
+        if row is None:
+            continue
+        if trial_id in seen:  # a run the trial started before an interruption and restarted
+            client.set_tag(child.info.run_id, "tune.superseded", "true")
+            if child.info.status == "RUNNING":
+                client.set_terminated(child.info.run_id, status="KILLED")
+            continue
+        seen.add(trial_id)
+        client.set_tag(child.info.run_id, "tune.status", row["status"])
+        if row["rank"] is not None:
+            client.set_tag(child.info.run_id, "tune.rank", str(row["rank"]))
+        if child.info.status == "RUNNING" and row["status"] != "finished":
+            client.set_terminated(child.info.run_id,
+                                  status="FAILED" if row["status"] == "error" else "KILLED")
+    tracker.end("FINISHED")
+
+
+class ReleasePlacementGroups(Callback):
+    """Tune callback of the driver: every few seconds and when a trial ends, remove the
+    placement groups of Train runs whose controller was killed with its trial (a trial ASHA
+    stopped), so that their CPUs/GPUs go to the next trial
+    (:func:`pipeline.ray_train.release_orphaned_placement_groups`)."""
+
+    def __init__(self, every_s: float = 5.0) -> None:
+        self.every_s, self.last = every_s, 0.0
+
+    def _release(self) -> None:
+        from pipeline.ray_train import release_orphaned_placement_groups
+
+        self.last = time.monotonic()
+        removed = release_orphaned_placement_groups()
+        if removed:
+            print(f"[sweep] released {len(removed)} placement group(s) of stopped trials",
+                  flush=True)
+
+    def on_step_begin(self, iteration, trials, **info) -> None:
+        if time.monotonic() - self.last >= self.every_s:
+            self._release()
+
+    def on_trial_complete(self, iteration, trials, trial, **info) -> None:
+        self._release()
+
+
+def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
+         ) -> dict[str, Any]:
+    """Run (or resume) the sweep; returns ``{"name", "sweep_dir", "metric", "mode",
+    "complete", "restored", "expected_trials", "trials": ranked table rows, "best_config",
+    "best_metric", "best_test_top1", "errors", "parent_run_id", "table"}``. ``callbacks``:
+    Tune callbacks of a new sweep (a restored one keeps those it was started with)."""
     import common
     import ray
     from ray import tune
+    from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
     from ray.tune.search.basic_variant import BasicVariantGenerator
 
+    from pipeline import plots
     from pipeline.tracking import default_tracking_uri
+    from tune.results import rank_trials, to_csv, to_markdown
 
     args = get_args_parser().parse_args(argv)
-    if args.dataset != "digits":
-        raise SystemExit(f"error: --dataset {args.dataset}: only the digits quickstart is wired "
-                         f"to a sweep so far (the {args.dataset} space is in "
-                         f"tune/search_spaces.py)")
-    if args.smoke_test:
-        args.num_samples, args.gpu = 2, False
-    job_argv = list(args.job_args) + ["--num-workers", str(args.num_workers)]
-    job_argv += ["--smoke-test"] if args.smoke_test else []
-    job_argv += ["--gpu"] if args.gpu else []
-    name = args.name or f"sweep-{args.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    mod = job_module(args.job)
+    job_argv = list(args.job_args) + (["--smoke-test"] if args.smoke_test else [])
+    probe = mod.get_args_parser().parse_args(job_argv)  # refuses a bad job option now
+    if probe.smoke_test:
+        common.apply_smoke(probe)
+    if probe.val_fraction <= 0:
+        raise SystemExit("error: a sweep ranks trials on the noisy validation split: give the "
+                         "job --val-fraction > 0 (default 0.05)")
+    if probe.method != "lccn":
+        print(f"[sweep] note: --method {probe.method}: the lccn.* keys of the space have no "
+              f"effect", flush=True)
+    num_samples = args.num_samples or (3 if args.smoke_test else 8)
+    space = resolve_space(args)
+    n_trials = expected_trials(space, num_samples)
+    name = args.name or f"sweep-{args.job}-{time.strftime('%Y%m%d-%H%M%S')}"
     sweep_dir = (args.sweep_dir or common.default_run_dir("sweep")).expanduser().resolve()
     sweep_dir.mkdir(parents=True, exist_ok=True)
     tracking = None if args.no_tracking else (args.tracking_uri or default_tracking_uri(sweep_dir))
-    space = get_space(args.dataset)
+    experiment = f"lccn-sweep-{name}"
+    exp_path = sweep_dir / "tune" / name
+    restored = tune.Tuner.can_restore(str(exp_path))
 
+    tracker = None
+    if tracking:
+        tracker = parent_tracker(tracking, experiment, name, {"sweep": {
+            "job": args.job, "space": json.dumps(space, sort_keys=True),
+            "num_samples": num_samples, "trials": n_trials, "scheduler": args.scheduler,
+            "grace_period": args.grace_period, "reduction_factor": args.reduction_factor,
+            "metric": METRIC, "mode": MODE, "seed": args.seed, "job_args": " ".join(job_argv)}})
     started = common.connect_ray()
     try:
-        concurrent = max_concurrent(gpu=args.gpu, num_workers=args.num_workers)
-        print(f"[sweep] {name}: {args.num_samples} trials of {args.dataset}, at most "
-              f"{concurrent} at once, metric {METRIC} ({MODE}); in {sweep_dir}; MLflow "
+        concurrent = max_concurrent(gpu=probe.gpu, num_workers=probe.num_workers,
+                                    cpus_per_worker=probe.cpus_per_worker)
+        if args.max_concurrent:
+            concurrent = max(1, min(concurrent, args.max_concurrent))
+        fn = functools.partial(run_trial, job=args.job, job_argv=job_argv,
+                               sweep_dir=str(sweep_dir), tracking_uri=tracking,
+                               experiment=experiment,
+                               parent_run_id=tracker.run_id if tracker else None)
+        trainable = tune.with_resources(fn, {"cpu": 0, "memory": TRIAL_MEMORY})
+        print(f"[sweep] {name}: {'resuming, ' if restored else ''}{n_trials} trials of "
+              f"{args.job} ({probe.epochs} epochs each), at most {concurrent} at once, "
+              f"{args.scheduler} on {METRIC} ({MODE}); in {sweep_dir}; MLflow "
               f"{tracking or 'off'}", flush=True)
-        fn = functools.partial(run_trial, job_argv=job_argv, sweep_dir=str(sweep_dir),
-                               tracking_uri=tracking, experiment=f"lccn-sweep-{name}")
-        tuner = tune.Tuner(
-            tune.with_resources(fn, {"cpu": 0, "memory": TRIAL_MEMORY}),
-            param_space=space,
-            tune_config=tune.TuneConfig(
-                metric=METRIC, mode=MODE, num_samples=args.num_samples,
-                # the random search caps concurrency itself (Tune ignores
-                # max_concurrent_trials for a SearchGenerator)
-                search_alg=BasicVariantGenerator(random_state=args.seed,
-                                                 max_concurrent=concurrent),
-                trial_name_creator=lambda t: t.trial_id,
-                trial_dirname_creator=lambda t: t.trial_id),
-            run_config=tune.RunConfig(name=name, storage_path=str(sweep_dir / "tune")))
+        if restored:
+            tuner = tune.Tuner.restore(str(exp_path), trainable=trainable,
+                                       resume_unfinished=True, resume_errored=True)
+        else:
+            # max_t one past the last epoch: ASHA never stops a trial at its last epoch,
+            # which would kill its Train run before it writes its final results
+            scheduler = (ASHAScheduler(time_attr=TIME_ATTR, max_t=probe.epochs + 1,
+                                       grace_period=args.grace_period,
+                                       reduction_factor=args.reduction_factor)
+                         if args.scheduler == "asha" else FIFOScheduler())
+            tuner = tune.Tuner(
+                trainable, param_space=to_tune(space),
+                tune_config=tune.TuneConfig(
+                    metric=METRIC, mode=MODE, num_samples=num_samples, scheduler=scheduler,
+                    # the random search caps concurrency itself (Tune ignores
+                    # max_concurrent_trials for a SearchGenerator)
+                    search_alg=BasicVariantGenerator(random_state=args.seed,
+                                                     max_concurrent=concurrent),
+                    trial_name_creator=lambda t: t.trial_id,
+                    trial_dirname_creator=lambda t: t.trial_id),
+                run_config=tune.RunConfig(name=name, storage_path=str(sweep_dir / "tune"),
+                                          callbacks=[ReleasePlacementGroups(),
+                                                     *(callbacks or [])]))
         grid = tuner.fit()
     finally:
         if started:
             ray.shutdown()
 
-    trials = []
-    for res in grid:
-        trials.append({"trial_id": (res.metrics or {}).get("trial_id"),
-                       "config": dict(res.config or {}),
-                       METRIC: (res.metrics or {}).get(METRIC),
-                       "error": None if res.error is None else str(res.error)})
-    done = [t for t in trials if isinstance(t[METRIC], float) and not math.isnan(t[METRIC])]
-    best = max(done, key=lambda t: t[METRIC]) if done else None
+    complete = grid.num_terminated + grid.num_errors >= n_trials
+    rows = rank_trials(trial_records(grid, epochs=probe.epochs))
+    best = rows[0] if rows and rows[0]["rank"] is not None else None
     out = {"name": name, "sweep_dir": str(sweep_dir), "metric": METRIC, "mode": MODE,
-           "best_config": None if best is None else best["config"],
+           "complete": complete, "restored": restored, "expected_trials": n_trials,
+           "trials": rows, "errors": grid.num_errors,
+           "best_config": None if best is None else
+           {k: best[k] for k in space if k in best},
            "best_metric": None if best is None else best[METRIC],
-           "trials": trials, "errors": grid.num_errors}
-    for t in trials:
-        print(f"[sweep] trial {t['trial_id']}: {METRIC} {t[METRIC]}  {t['config']}"
-              + (f"  ERROR {t['error'].splitlines()[0]}" if t["error"] else ""), flush=True)
-    print(f"[sweep] best {METRIC} {out['best_metric']}: {out['best_config']}", flush=True)
+           "best_test_top1": None if best is None else best[REPORTED_BESIDE],
+           "parent_run_id": tracker.run_id if tracker else None, "table": None}
+    for r in rows:
+        print(f"[sweep] #{r['rank'] or '-'} {r['trial_id']} {r['status']:13s} "
+              f"epochs {r[TIME_ATTR]}  {METRIC} {r[METRIC]}  ({REPORTED_BESIDE} "
+              f"{r[REPORTED_BESIDE]})  {json.dumps({k: r.get(k) for k in space})}", flush=True)
+    if not complete:
+        print(f"[sweep] {name}: interrupted with {grid.num_terminated + grid.num_errors} of "
+              f"{n_trials} trials done; run the same command again (same --name and "
+              f"--sweep-dir) to finish it", flush=True)
+        if tracker is not None:
+            tracker.end("KILLED")
+        return out
+    out_dir = sweep_dir / name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.csv").write_text(to_csv(rows))
+    (out_dir / "results.md").write_text(to_markdown(rows, title=f"Sweep {name} ({args.job})"))
+    fig = plots.accuracy_vs(rows, x_key="lccn.alpha", keys=(METRIC, REPORTED_BESIDE),
+                            title=f"{name}: the selected epoch of each trial")
+    fig.savefig(out_dir / "accuracy_vs_alpha.png", dpi=100)
+    fig.clear()
+    out["table"] = str(out_dir / "results.md")
+    if tracker is not None:
+        finish_tracking(tracker, rows, out_dir=out_dir)
+    print(f"[sweep] best by {METRIC}: {out['best_metric']} ({REPORTED_BESIDE} "
+          f"{out['best_test_top1']}): {out['best_config']}; table {out['table']}", flush=True)
     (sweep_dir / f"{name}.json").write_text(json.dumps(out, indent=1, default=str))
     return out
 

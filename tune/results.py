@@ -1,0 +1,124 @@
+"""A sweep's results: the ranking of its trials and the table and plot of them.
+
+Trials are ranked by their *selected* epoch: the epoch with the highest noisy-validation
+accuracy ``val_top1`` (accuracy on the held-out split against its observed labels, what a
+user with noisy data has; the first such epoch on ties, as
+:func:`pipeline.engine.select_epoch`). The clean test accuracy of that same epoch,
+``test_top1``, is reported beside it and never used to rank. A trial stopped early by the
+scheduler keeps the epochs it ran.
+
+Pure functions of plain data (no Ray, no MLflow), so the ranking is tested on its own.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tune.search_spaces import METRIC, MODE, REPORTED_BESIDE, TIME_ATTR
+
+
+def _finite(v: Any) -> bool:
+    try:
+        return math.isfinite(float(v))
+    except (TypeError, ValueError):
+        return False
+
+
+def epoch_rows(history: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One row per epoch, ordered by ``epochs_done``: a resumed trial may report an epoch
+    again, the last report of an epoch wins."""
+    by_epoch: dict[int, dict[str, Any]] = {}
+    for row in history:
+        if _finite(row.get(TIME_ATTR)):
+            by_epoch[int(row[TIME_ATTR])] = dict(row)
+    return [by_epoch[e] for e in sorted(by_epoch)]
+
+
+def selected(history: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The epoch a user keeps: highest ``val_top1`` (first on ties), with its ``test_top1``;
+    None when no epoch has a finite ``val_top1``."""
+    rows = [r for r in epoch_rows(history) if _finite(r.get(METRIC))]
+    if not rows:
+        return None
+    best = max(rows, key=lambda r: (float(r[METRIC]), -int(r[TIME_ATTR])))
+    test = best.get(REPORTED_BESIDE)
+    return {"epoch": int(best[TIME_ATTR]), METRIC: float(best[METRIC]),
+            REPORTED_BESIDE: float(test) if _finite(test) else None}
+
+
+def rank_trials(trials: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """``trials`` (dicts with ``trial_id``, ``config``, ``status``, ``history``: the per-epoch
+    results) as table rows, best first: ``rank`` (None for a trial with no validation
+    result, listed last), ``trial_id``, ``status``, ``epochs_done``, the config keys,
+    ``val_top1`` and ``test_top1`` of the selected epoch, ``selected_epoch``, and the last
+    epoch's ``last_val_top1`` and ``last_test_top1``."""
+    rows = []
+    for t in trials:
+        hist = epoch_rows(t.get("history") or [])
+        sel = selected(hist)
+        last = hist[-1] if hist else {}
+        row = {"rank": None, "trial_id": t["trial_id"], "status": t.get("status", ""),
+               TIME_ATTR: int(last[TIME_ATTR]) if hist else 0}
+        row.update(dict(t.get("config") or {}))
+        row.update({METRIC: None if sel is None else sel[METRIC],
+                    REPORTED_BESIDE: None if sel is None else sel[REPORTED_BESIDE],
+                    "selected_epoch": None if sel is None else sel["epoch"],
+                    f"last_{METRIC}": float(last[METRIC]) if _finite(last.get(METRIC)) else None,
+                    f"last_{REPORTED_BESIDE}": (float(last[REPORTED_BESIDE])
+                                                if _finite(last.get(REPORTED_BESIDE)) else None)})
+        rows.append(row)
+    ranked = sorted((r for r in rows if r[METRIC] is not None),
+                    key=lambda r: (-r[METRIC], str(r["trial_id"])))
+    for i, r in enumerate(ranked):
+        r["rank"] = i + 1
+    return ranked + sorted((r for r in rows if r[METRIC] is None),
+                           key=lambda r: str(r["trial_id"]))
+
+
+def columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Column order of the table: rank, trial, status, epochs, the config keys (sorted),
+    then the accuracies."""
+    head = ["rank", "trial_id", "status", TIME_ATTR]
+    tail = [METRIC, REPORTED_BESIDE, "selected_epoch", f"last_{METRIC}",
+            f"last_{REPORTED_BESIDE}"]
+    keys = sorted({k for r in rows for k in r} - set(head) - set(tail))
+    return head + keys + tail
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) >= 1e4 or (v != 0 and abs(v) < 1e-3) else f"{v:.4f}"
+    return str(v)
+
+
+def to_csv(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The table as CSV (floats in full precision, missing values empty)."""
+    cols = columns(rows)
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(cols)
+    for r in rows:
+        w.writerow(["" if r.get(c) is None else (repr(r[c]) if isinstance(r.get(c), float)
+                                                 else r[c]) for c in cols])
+    return buf.getvalue()
+
+
+def to_markdown(rows: Sequence[Mapping[str, Any]], *, title: str = "") -> str:
+    """The table as a Markdown pipe table (floats to 4 decimals), ranked by ``val_top1``."""
+    cols = columns(rows)
+    lines = [f"# {title}", ""] if title else []
+    lines.append(f"Ranked by {METRIC} ({MODE}) of each trial's selected epoch (highest "
+                 f"noisy-validation accuracy); {REPORTED_BESIDE} is that epoch's clean test "
+                 f"accuracy, reported only.")
+    lines.append("")
+    lines.append("| " + " | ".join(cols) + " |")
+    lines.append("|" + "|".join("---" for _ in cols) + "|")
+    for r in rows:
+        lines.append("| " + " | ".join(_cell(r.get(c)) for c in cols) + " |")
+    return "\n".join(lines) + "\n"
