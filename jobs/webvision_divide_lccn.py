@@ -41,8 +41,7 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 def prepare_run(args: argparse.Namespace) -> common.JobRun:
     """Parsed arguments -> the run's configs and label view (nothing trained yet)."""
-    return common.dataset_setup(args, job=JOB, preset=PRESET, smoke=SMOKE,
-                                extra_log=[f"[{JOB}] {NOT_YET}"])
+    return common.dataset_setup(args, job=JOB, preset=PRESET, smoke=SMOKE)
 
 
 def main(argv: list[str] | None = None) -> dict:
