@@ -54,9 +54,9 @@ import torch
 from torch import Tensor, nn
 
 from pipeline.config import RunConfig
-from pipeline.engine import (META_FILE, STATE_FILE, ChainSet, Engine, EngineOptions, Session,
-                             ShardSource, SharedChain, Tracking, make_scheduler,
-                             held_out_mask, transition_error)
+from pipeline.engine import (META_FILE, STATE_FILE, ChainSet, Engine, EngineOptions,
+                             ProcessSession, Session, ShardSource, SharedChain, Tracking,
+                             make_scheduler, held_out_mask, transition_error)
 from pipeline.labels import LabelView
 from pipeline.transforms import build_batch_transform
 from pipeline.lccn import GibbsLabeler, SampleStats
@@ -159,27 +159,16 @@ def parse_failures(spec: str) -> list[tuple[int, int, str]]:
     return out
 
 
-class LocalSession:
+class LocalSession(ProcessSession):
     """One worker in this process (world size 1): checkpoints are copied under ``storage``
     (``checkpoint_000000``, ...); the latest one is what :meth:`load_checkpoint` resumes from."""
 
+    checkpointing = True
+
     def __init__(self, storage: str | os.PathLike) -> None:
-        self.rank, self.world_size, self.device = 0, 1, torch.device("cpu")
+        super().__init__("cpu")
         self.storage = Path(storage)
         self.storage.mkdir(parents=True, exist_ok=True)
-        self.reports: list[dict[str, float]] = []
-
-    def prepare_model(self, model: nn.Module) -> nn.Module:
-        return model
-
-    def barrier(self) -> None:
-        pass
-
-    def all_reduce_sum(self, t: Tensor) -> Tensor:
-        return t
-
-    def all_gather(self, t: Tensor) -> list[Tensor]:
-        return [t]
 
     def checkpoints(self) -> list[Path]:
         return sorted(self.storage.glob("checkpoint_*"))
@@ -189,7 +178,7 @@ class LocalSession:
         return load_state(found[-1]) if found else None
 
     def report(self, metrics: dict[str, float], checkpoint_dir: str | None) -> None:
-        self.reports.append(dict(metrics))
+        super().report(metrics, checkpoint_dir)
         if checkpoint_dir is not None:
             dest = self.storage / f"checkpoint_{len(self.checkpoints()):06d}"
             shutil.copytree(checkpoint_dir, dest)
