@@ -36,8 +36,8 @@ from pipeline.config import LCCNConfig
 from pipeline.confusion import apply_delta_, as_alpha
 from pipeline.confusion_store import Sync
 from pipeline.fastpath import to_device
-from pipeline.sampler import (anneal_gamma, conditional_transition, gibbs_draw, gibbs_posterior,
-                              sample_categorical)
+from pipeline.sampler import (anneal_gamma, check_range, conditional_transition, gibbs_draw,
+                              gibbs_posterior, sample_categorical)
 
 
 class Store(Protocol):
@@ -302,11 +302,8 @@ class GibbsLabeler:
         observed = observed.cpu()
         m = observed.shape[0]
         if m:  # the range checks, on the host copies
-            for name, t, hi in (("observed labels", observed, self.num_classes),
-                                ("z_old", z_old, self.k_latent)):
-                lo_v, hi_v = (int(v) for v in torch.aminmax(t))
-                if lo_v < 0 or hi_v >= hi:
-                    raise ValueError(f"{name} must lie in [0, {hi}), got range [{lo_v}, {hi_v}]")
+            check_range("observed labels", observed, self.num_classes)
+            check_range("z_old", z_old, self.k_latent)
         u = torch.rand(m, 1, generator=self.generator, dtype=torch.float64, device=dev)
         if self._gamma is None or self._gamma[0] != gamma:  # a launch only when it changes
             self._gamma = (gamma, torch.full((), gamma, dtype=torch.float64, device=dev))

@@ -63,6 +63,14 @@ def conditional_transition(observed: Tensor, z_old: Tensor, counts: Tensor,
     return num.div_(den)
 
 
+def check_range(name: str, t: Tensor, upper: int) -> None:
+    """``ValueError`` naming ``name`` and the range found unless every value of a non-empty
+    integer tensor ``t`` lies in ``[0, upper)`` (two reads: pass host tensors on a hot path)."""
+    lo, hi = (int(v) for v in torch.aminmax(t))
+    if lo < 0 or hi >= upper:
+        raise ValueError(f"{name} must lie in [0, {upper}), got range [{lo}, {hi}]")
+
+
 def gibbs_posterior(probs: Tensor, observed: Tensor, z_old: Tensor, counts: Tensor,
                     alpha: float | Tensor, *, gamma: float = 1.0, phi: Tensor | None = None,
                     counted: Tensor | None = None) -> Tensor:
@@ -91,12 +99,8 @@ def gibbs_posterior(probs: Tensor, observed: Tensor, z_old: Tensor, counts: Tens
         # range checks read two values: cheap on host tensors; on an accelerator they would
         # stall the stream, so the labeler passes observed and z_old from the host and they
         # move to the device only after the check
-        lo, hi = (int(v) for v in torch.aminmax(observed))
-        if lo < 0 or hi >= k:
-            raise ValueError(f"observed labels must lie in [0, {k}), got range [{lo}, {hi}]")
-        lo, hi = (int(v) for v in torch.aminmax(z_old))
-        if lo < 0 or hi >= k_latent:
-            raise ValueError(f"z_old must lie in [0, {k_latent}), got range [{lo}, {hi}]")
+        check_range("observed labels", observed, k)
+        check_range("z_old", z_old, k_latent)
     dev = probs.device
     if counts.device != dev:
         raise ValueError(f"probs are on {dev} but counts on {counts.device}; keep the "

@@ -63,6 +63,18 @@ def test_own_count_removal_changes_the_conditional():
     assert cond[0, 1] == pytest.approx(1e-3 / (2e-3 + 5))
 
 
+def assert_draws_follow(z, p, reps):
+    """``z`` holds ``reps`` draws for each row of ``p (M, K)`` (rows repeated in order): each
+    cell's frequency lies within 5 standard errors of a binomial proportion of ``p``."""
+    m = p.shape[0]
+    freq = torch.zeros_like(p)
+    freq.index_put_((torch.arange(m).repeat(reps), z), torch.ones(z.numel(), dtype=torch.float64),
+                    accumulate=True)
+    freq /= reps
+    se = torch.sqrt(p * (1 - p) / reps)
+    assert ((freq - p).abs() <= 5 * se + 1e-4).all(), (freq, p)
+
+
 def test_empirical_draws_match_the_posterior():
     gen = torch.Generator().manual_seed(2)
     probs, observed, z_old, counts = random_state(gen, m=4, k=4)
@@ -70,13 +82,7 @@ def test_empirical_draws_match_the_posterior():
     reps = 40_000
     z = gibbs_step(probs.repeat(reps, 1), observed.repeat(reps), z_old.repeat(reps), counts, 1.0,
                    generator=torch.Generator().manual_seed(3))
-    freq = torch.zeros_like(p)
-    freq.index_put_((torch.arange(4).repeat(reps), z), torch.ones(z.numel(), dtype=torch.float64),
-                    accumulate=True)
-    freq /= reps
-    # 5 standard errors of a binomial proportion, per cell
-    se = torch.sqrt(p * (1 - p) / reps)
-    assert ((freq - p).abs() <= 5 * se + 1e-4).all(), (freq, p)
+    assert_draws_follow(z, p, reps)
 
 
 def test_generator_makes_draws_reproducible():
@@ -175,9 +181,4 @@ def test_compiled_device_core_draws_from_eq7():
     post, z, _ = draw(probs.repeat(reps, 1), observed.repeat(reps), z_old.repeat(reps), counts,
                       as_alpha(1.0, 4), torch.tensor(1.0, dtype=torch.float64), u)
     torch.testing.assert_close(post[:4], p, rtol=1e-9, atol=1e-12)
-    freq = torch.zeros_like(p)
-    freq.index_put_((torch.arange(4).repeat(reps), z), torch.ones(z.numel(), dtype=torch.float64),
-                    accumulate=True)
-    freq /= reps
-    se = torch.sqrt(p * (1 - p) / reps)
-    assert ((freq - p).abs() <= 5 * se + 1e-4).all(), (freq, p)
+    assert_draws_follow(z, p, reps)
