@@ -191,6 +191,15 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
     m.add_argument("--outlier", action="store_true", help="LCCN*: K+1 latent classes")
     m.add_argument("--trusted-fraction", type=float, default=0.0,
                    help="LCCN+: this fraction of samples with a clean label is trusted")
+    m.add_argument("--trusted", type=int, default=0, metavar="N",
+                   help="LCCN+: N in-distribution samples with a clean label are trusted "
+                        "(stratified by class; 5000 in the paper's CIFAR runs)")
+    m.add_argument("--trusted-outliers", type=int, default=0, metavar="M",
+                   help="LCCN*+: M labelled out-of-distribution samples are trusted too "
+                        "(500 in the paper; needs --outlier and an open-set --noise)")
+    m.add_argument("--trusted-keys", type=Path, default=None, metavar="FILE",
+                   help="LCCN+: the samples whose dataset key is listed in FILE (one per "
+                        "line) are trusted, e.g. Clothing1M's clean_train_key_list.txt")
     m.add_argument("--p-threshold", type=float, default=0.5,
                    help="DivideMix/DivideLCCN: clean-probability threshold of the division")
     m.add_argument("--mixmatch-alpha", type=float, default=preset.mixmatch_alpha,
@@ -253,7 +262,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         lccn=LCCNConfig(alpha=args.alpha, warmup_steps=args.warmup_steps, warmup=args.warmup,
                         targets=args.targets, ramp=args.ramp, anneal=anneal,
                         outlier=args.outlier,
-                        use_trusted=args.trusted_fraction > 0,
+                        use_trusted=uses_trusted(args),
                         commit_every=args.commit_every),
         baseline=baseline_config(args),
         monitor=MonitorConfig(stop=args.stop_on_collapse),
@@ -263,6 +272,43 @@ def run_config(args: argparse.Namespace) -> RunConfig:
                             conf_penalty=getattr(args, "conf_penalty", False)),
         perf=PerfConfig(compile=getattr(args, "compile", "off"), amp=getattr(args, "amp", "auto")),
         val_fraction=args.val_fraction)
+
+
+def uses_trusted(args: argparse.Namespace) -> bool:
+    """Whether the arguments ask for an LCCN+ trusted set (and check they agree)."""
+    fraction = getattr(args, "trusted_fraction", 0.0)
+    count, outliers = getattr(args, "trusted", 0), getattr(args, "trusted_outliers", 0)
+    keys = getattr(args, "trusted_keys", None)
+    if count < 0 or outliers < 0:
+        raise SystemExit(f"error: --trusted and --trusted-outliers must be >= 0, got {count} "
+                         f"and {outliers}")
+    given = [name for name, on in (("--trusted-fraction", fraction > 0),
+                                   ("--trusted/--trusted-outliers", count > 0 or outliers > 0),
+                                   ("--trusted-keys", keys is not None)) if on]
+    if len(given) > 1:
+        raise SystemExit(f"error: give one way of choosing the trusted set, not {' and '.join(given)}")
+    if outliers > 0 and not getattr(args, "outlier", False):
+        raise SystemExit("error: --trusted-outliers needs --outlier (LCCN*+): a trusted "
+                         "outlier trains on the outlier class K, which only LCCN* has")
+    return bool(given)
+
+
+def trusted_spec(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The label view's ``"trusted"`` entry the arguments ask for (pipeline/noise.py), or
+    None."""
+    if not uses_trusted(args):
+        return None
+    if args.trusted_keys is not None:
+        path = Path(args.trusted_keys).expanduser().resolve()
+        if not path.is_file():
+            raise SystemExit(f"error: --trusted-keys {path}: no such file")
+        return {"keys": str(path)}
+    if args.trusted_fraction > 0:
+        return {"fraction": args.trusted_fraction, "seed": args.seed}
+    spec: dict[str, Any] = {"count": args.trusted, "seed": args.seed}
+    if args.trusted_outliers:
+        spec["outliers"] = args.trusted_outliers
+    return spec
 
 
 def baseline_config(args: argparse.Namespace) -> BaselineConfig:
@@ -385,8 +431,9 @@ def load_view(args: argparse.Namespace, train: str) -> LabelView:
         spec = json.loads(args.noise)
     except json.JSONDecodeError as e:
         raise SystemExit(f"error: --noise is not valid JSON ({e}): {args.noise!r}") from None
-    if args.trusted_fraction > 0:
-        spec["trusted"] = {"fraction": args.trusted_fraction, "seed": args.seed}
+    trusted = trusted_spec(args)
+    if trusted is not None:
+        spec["trusted"] = trusted
     return build_view(train, spec, checksums=getattr(args, "verify_checksums", True))
 
 
@@ -461,11 +508,17 @@ def run_job(args: argparse.Namespace, *, job: str, run: RunConfig, dist: DistCon
           f"{run.optim.epochs} epochs ({run.optim.pretrain_epochs} CE), global batch "
           f"{run.optim.batch_size}, N = {len(view)}, K = {view.num_classes}; MLflow "
           f"{dist.tracking_uri or 'off'}", flush=True)
+    keys = None
+    if run.method == "lccn" and run.lccn.outlier and "://" not in dist.train_source:
+        from shards.labelview import read_split_labels  # outliers.csv names each sample
+
+        keys = list(read_split_labels(dist.train_source)["key"])
     started = connect_ray()
     t0 = time.perf_counter()
     try:
         out = fit_distributed(run, dist, view, max_failures=args.max_failures,
-                              cpus_per_worker=args.cpus_per_worker, callbacks=callbacks)
+                              cpus_per_worker=args.cpus_per_worker, callbacks=callbacks,
+                              sample_keys=keys)
     finally:
         if started:
             ray.shutdown()
@@ -498,9 +551,26 @@ def run_job(args: argparse.Namespace, *, job: str, run: RunConfig, dist: DistCon
     summary["metrics"] = measured(metrics)
     out_dir = Path(dist.run_dir) / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
+    summary["files"] = {}
+    for name, text in (out.get("files") or {}).items():  # LCCN*: outliers.csv
+        path = out_dir / f"{dist.run_name}-{name}"
+        path.write_text(text)
+        summary["files"][name] = str(path)
+        print(f"[{job}] {name}: {path}" + (f" ({_flagged(text)})" if name.startswith("outliers")
+                                           else ""), flush=True)
     (out_dir / f"{dist.run_name}.json").write_text(
         json.dumps(json_safe(summary), indent=1, default=str, allow_nan=False))
     return summary
+
+
+def _flagged(outliers_csv: str) -> str:
+    """``"F of N samples flagged"`` for an ``outliers.csv`` text."""
+    import csv
+    import io
+
+    rows = list(csv.DictReader(io.StringIO(outliers_csv)))
+    flagged = sum(r["flag"] == "1" for r in rows)
+    return f"{flagged} of {len(rows)} training samples flagged as outliers"
 
 
 def selected_epoch(history: list[dict[str, float]]) -> dict[str, Any] | None:

@@ -109,8 +109,25 @@ class TensorData:
                                  *labels)
 
 
-__all__ = ["Batch", "LocalTrainer", "TensorData", "ViewsBatch", "select_epoch",
-           "transition_error"]
+def open_set_images(images: Tensor, view: LabelView) -> Tensor:
+    """``images (N, C, H, W)`` as the shard loader shows them under an open-set ``view``:
+    each ``view.ood`` sample's pixels permuted by :func:`pipeline.noise.shuffle_pixels`
+    (seed ``view.spec["pixel_seed"]``, as :mod:`pipeline.data` does at read time); a new
+    tensor, the others unchanged."""
+    from pipeline.noise import shuffle_pixels
+
+    if images.shape[0] != len(view):
+        raise ValueError(f"{images.shape[0]} images but a label view of {len(view)} samples")
+    out = images.clone()
+    seed = int(view.spec.get("pixel_seed", view.spec.get("seed", 0)))
+    for i in np.flatnonzero(view.ood):
+        hwc = out[i].permute(1, 2, 0).cpu().numpy()
+        out[i] = torch.from_numpy(shuffle_pixels(hwc, idx=int(i), seed=seed)).permute(2, 0, 1)
+    return out
+
+
+__all__ = ["Batch", "LocalTrainer", "TensorData", "ViewsBatch", "open_set_images",
+           "select_epoch", "transition_error"]
 
 
 class LocalTrainer:

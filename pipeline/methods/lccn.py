@@ -115,6 +115,13 @@ class LCCN(Method):
         self.cfg = run.lccn
         data = engine.data
         self.trusted: Tensor | None = data.trusted if self.cfg.use_trusted else None
+        if self.trusted is not None and not self.cfg.outlier:
+            bad = torch.nonzero(self.trusted & (data.clean >= self.num_classes))[:, 0]
+            if bad.numel():
+                raise ValueError(f"{bad.numel()} trusted samples are labelled outliers (clean "
+                                 f"= K = {self.num_classes}; first idx {int(bad[0])}): they "
+                                 f"train on the outlier class, which needs LCCN* "
+                                 f"(LCCNConfig.outlier)")
         self.monitor = CollapseMonitor(run.monitor)
         self.phi_init: Tensor | None = None
         self.lccn_step = 0
