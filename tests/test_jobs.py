@@ -117,6 +117,52 @@ def test_smoke_shards_and_views(tmp_path):
     assert (view.clean == -1).sum() == 28 and view.noise_rate() > 0
 
 
+def test_cifar_trusted_clean_samples_and_labelled_outliers_from_flags(tmp_path):
+    """--trusted N --trusted-outliers M (the paper: 5,000 and 500) build the LCCN*+ view:
+    N in-distribution samples and M pixel-shuffled ones trusted, LCCN+ and LCCN* on."""
+    spec = '{"kind": "open_set", "count": 40, "seed": 0}'
+    args = cifar_lccn.get_args_parser().parse_args(
+        ["--smoke-test", "--run-dir", str(tmp_path), "--noise", spec, "--outlier",
+         "--trusted", "30", "--trusted-outliers", "6"])
+    jr = cifar_lccn.prepare_run(args)
+    v = jr.view
+    assert int((v.trusted & ~v.ood).sum()) == 30 and int((v.trusted & v.ood).sum()) == 6
+    assert v.spec["trusted"] == {"count": 30, "outliers": 6, "seed": 0, "per_class": True,
+                                 "include_ood": True}
+    assert jr.run.lccn.use_trusted and jr.run.lccn.outlier
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--trusted-outliers", "5"], "--trusted-outliers needs --outlier"),
+    (["--trusted", "5", "--trusted-fraction", "0.1"], "one way of choosing the trusted set"),
+    (["--trusted-keys", "/nonexistent/list.txt"], "no such file"),
+])
+def test_bad_trusted_flags_give_one_clear_line(tmp_path, argv, match):
+    args = cifar_lccn.get_args_parser().parse_args(["--smoke-test", "--run-dir",
+                                                    str(tmp_path), *argv])
+    with pytest.raises(SystemExit, match=match):
+        cifar_lccn.prepare_run(args)
+
+
+def test_clothing1m_trusted_set_from_the_clean_train_key_list(tmp_path):
+    """--trusted-keys clean_train_key_list.txt: the noisy-train samples listed there (with
+    their clean label known) are trusted; the smoke split's keys stand in for the list."""
+    from shards.labelview import read_split_labels
+
+    args = clothing1m_lccn.get_args_parser().parse_args(["--smoke-test", "--run-dir",
+                                                         str(tmp_path)])
+    jr = clothing1m_lccn.prepare_run(args)  # writes the smoke shards
+    labels = read_split_labels(jr.dist.train_source)
+    known = np.flatnonzero(labels["clean"] >= 0)
+    listed = tmp_path / "clean_train_key_list.txt"
+    listed.write_text("\n".join([labels["key"][i] for i in known[::3]] + ["images/not/here.jpg"]))
+    args = clothing1m_lccn.get_args_parser().parse_args(
+        ["--smoke-test", "--run-dir", str(tmp_path), "--trusted-keys", str(listed)])
+    jr = clothing1m_lccn.prepare_run(args)
+    assert np.flatnonzero(jr.view.trusted).tolist() == known[::3].tolist()
+    assert jr.run.lccn.use_trusted and not jr.run.lccn.outlier
+
+
 def test_quickstart_says_what_the_noise_rate_means(tmp_path):
     """rate r flips r of the four source classes, about 0.4 r of all labels."""
     train, _ = quickstart_ray.write_digits_shards(tmp_path, seed=0)
