@@ -224,6 +224,33 @@ def test_resume_after_failure_is_exact(digits, tmp_path, one_thread, commit_ever
     assert torch.equal(b["store"]["z"], store.z) and b["store"]["version"] == store.version
 
 
+def test_outlier_export_survives_a_failure_in_its_window(digits, tmp_path, one_thread):
+    """LCCN*'s p(outlier) average rides in the checkpoints: a worker that fails in the
+    last epoch (the averaging window, after a mid-epoch checkpoint) and resumes writes the
+    same outliers.csv into its final checkpoint as the uninterrupted run."""
+    run, dist, view, _, _ = _local_run(digits, tmp_path / "a", epochs=3)
+    run = replace(run, lccn=replace(run.lccn, outlier=True))
+    z0, counted = initial_assignment_placeholder(view, run)
+    obs = torch.from_numpy(view.observed)
+    files = []
+    for name, inject in (("a", ""), ("b", "0:52:raise")):  # step 52 of 60: last epoch
+        d = replace(dist, run_dir=str(tmp_path / name), inject_failure=inject)
+        (tmp_path / name).mkdir(exist_ok=True)
+        store = StoreActor(obs, z0, 11, 10, counted=counted)
+        session = LocalSession(tmp_path / name / "ckpt")
+        if inject:
+            with pytest.raises(RuntimeError, match="injected failure at step 52"):
+                run_worker(run, d, view, LocalStoreClient(store), session)
+        run_worker(run, d, view, LocalStoreClient(store), session)
+        files.append((session.checkpoints()[-1] / "outliers.csv").read_text())
+    assert files[0] == files[1]
+    lines = files[0].splitlines()
+    assert lines[0] == "idx,key,observed,p_outlier,flag"
+    held_out = held_out_mask(view, run.val_fraction, seed=run.seed)
+    assert len(lines) - 1 == int((~held_out).sum())
+    assert all(line.split(",")[3] != "" for line in lines[1:])  # every sample drawn
+
+
 def test_collapse_monitor_can_stop_a_distributed_run(digits, tmp_path, one_thread, monkeypatch):
     """With MonitorConfig(stop=True) the worker loop stops after the first LCCN epoch whose
     chain the monitor flags (forced here: its criteria are tested in test_fidelity), on
