@@ -47,8 +47,8 @@ def prepare_run(args: argparse.Namespace) -> common.JobRun:
     """Parsed arguments -> the run's configs and label view (nothing trained yet)."""
     dataset = "cifar10" if args.smoke_test else args.dataset
     preset = common.PRESETS[dataset]
-    if args.warmup is None:
-        args.warmup = preset.warmup
+    args.dataset = dataset
+    common.resolve_recipe(args)
     if args.noise is None:
         args.noise = NOISE[dataset]
     log = [f"[{JOB}] {dataset}: warm-up transition {args.warmup}"]

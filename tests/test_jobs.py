@@ -76,6 +76,43 @@ def test_webvision_job_runs_divide_lccn_with_dividemix_web_settings():
     assert run.method == "lccn" and run.divide.mixmatch_alpha == 4.0  # DivideMix's CIFAR
 
 
+@pytest.mark.parametrize("module, dataset, extra", [
+    (cifar_lccn, "cifar10", []), (cifar_lccn, "cifar100", ["--dataset", "cifar100"]),
+    (clothing1m_lccn, "clothing1m", []), (webvision_divide_lccn, "webvision", [])])
+def test_every_method_runs_its_recipe_from_the_presets_table(module, dataset, extra):
+    """The configs a job builds for each --method are the recipe of docs/methods.md's
+    presets table (common.recipe): DivideMix's own schedule for dividemix/divide_lccn
+    where it has one, the dataset's for the rest; an option on the command line wins."""
+    from pipeline.config import METHODS
+
+    for method in METHODS:
+        args, run = _configs(module, ["--data", "/x", "--method", method, *extra])
+        r = common.recipe(dataset, method)
+        o, d = run.optim, run.divide
+        assert (run.model.name, o.epochs, o.pretrain_epochs, o.batch_size, o.lr,
+                o.milestones, o.weight_decay) == (r.model, r.epochs, r.pretrain_epochs,
+                                                  r.batch_size, r.lr, r.milestones,
+                                                  r.weight_decay), (dataset, method)
+        assert tuple(args.lr_values) == r.lr_values and args.pretrained == r.pretrained
+        assert (run.lccn.alpha, run.lccn.warmup_steps, run.lccn.warmup, run.lccn.anneal) == \
+            (r.alpha, r.warmup_steps, r.warmup, r.anneal)
+        assert (d.mixmatch_alpha, d.lambda_u, d.p_threshold, d.temperature, d.conf_penalty) == \
+            (r.mixmatch_alpha, r.lambda_u, r.p_threshold, r.temperature, r.conf_penalty)
+    if dataset.startswith("cifar"):
+        _, run = _configs(module, ["--data", "/x", "--method", "dividemix", *extra])
+        assert (run.model.name, run.optim.epochs, run.optim.batch_size) == \
+            ("preact_resnet18", 300, 64)
+        _, run = _configs(module, ["--data", "/x", "--method", "dividemix", "--epochs", "70",
+                                   "--lambda-u", "0", *extra])
+        assert run.optim.epochs == 70 and run.divide.lambda_u == 0 and run.optim.lr == 0.02
+    if dataset == "clothing1m":
+        _, run = _configs(module, ["--data", "/x", "--method", "dividemix"])
+        assert run.divide.conf_penalty and run.optim.epochs == 80
+        _, run = _configs(module, ["--data", "/x", "--method", "dividemix",
+                                   "--no-conf-penalty"])
+        assert not run.divide.conf_penalty
+
+
 def test_lr_values_become_the_phase_learning_rates(tmp_path):
     """--lr-values 0.5 0.1 0.01 with milestones 40 80 gives exactly those rates."""
     import torch
