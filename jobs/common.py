@@ -459,6 +459,7 @@ def check_transition_file(run: RunConfig, num_classes: int) -> None:
 def apply_smoke(args: argparse.Namespace) -> None:
     """--smoke-test: 2 CPU workers, small CNN, 3 epochs (1 CE), tiny batches, no loader
     processes, a mid-epoch checkpoint; every choice here is printed in the job's log."""
+    resolve_recipe(args)
     args.num_workers, args.gpu, args.loader_workers = 2, False, 0
     args.model, args.pretrained = "small_cnn", False
     args.epochs, args.pretrain_epochs = 3, 1
