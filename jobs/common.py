@@ -615,7 +615,8 @@ def run_job(args: argparse.Namespace, *, job: str, run: RunConfig, dist: DistCon
             view: LabelView, log: list[str] | None = None,
             callbacks: list[Any] | None = None) -> dict[str, Any]:
     """Fit (or resume) the run on Ray, print a summary and write ``results/<run>.json``
-    under the run dir. Returns the summary dict. ``callbacks``: Ray Train callbacks for the
+    under the run dir (and the method's end-of-run files beside it, LCCN*'s
+    ``results/<run>-outliers.csv``). Returns the summary dict. ``callbacks``: Ray Train callbacks for the
     trainer (a sweep trial's report to Tune)."""
     import ray
 

@@ -33,6 +33,8 @@ What is trained, and how, is the *method* (:mod:`pipeline.methods`), chosen by
         moment(): method.flush(), barrier, rank 0 reads the chain state, method.end_epoch
                   (health, monitor), checkpoint, MLflow, report
         collapse flagged (MonitorConfig.stop): every rank stops after this epoch
+    the last moment (rank 0): method.final_files() (LCCN*: outliers.csv) into the final
+    checkpoint, EngineOptions.out_dir and MLflow
 
 A checkpoint (``state.pt``) holds ``models``/``optimizers``/``schedulers`` (one entry per
 member; ``model``/``optimizer``/``scheduler`` name the first), ``epoch``, ``batch``,
