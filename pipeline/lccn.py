@@ -150,6 +150,25 @@ class GibbsLabeler:
             return 1.0
         return min(1.0, (self.step_count + 1) / (self.cfg.ramp * self.max_steps))
 
+    def outlier_proposal(self, probs: Tensor) -> Tensor:
+        """LCCN*'s outlier warm-up: ``probs (B, K + 1)`` as Eq. 7 reads them in this step.
+
+        Over the first ``cfg.outlier_warmup`` fraction of the LCCN phase the classifier's
+        probabilities are mixed with a point mass on the outlier class,
+        ``(1 - ε) P(· | x) + ε e_K`` with ``ε = cfg.outlier_prior``: cross-entropy
+        pre-training on the K observed classes only ever lowers the outlier logit, so
+        without it Eq. 7 (whose outlier term is ``P(K | x) φ[K, j]``) would almost never
+        propose the outlier class and LCCN* would stay LCCN. Unchanged otherwise (and
+        for ``K_latent = K``)."""
+        cfg = self.cfg
+        if (self.k_latent == self.num_classes or cfg.outlier_prior <= 0
+                or self.step_count >= cfg.outlier_warmup * self.max_steps):
+            return probs
+        eps = float(cfg.outlier_prior)
+        mixed = probs.detach() * (1.0 - eps)
+        mixed[:, -1] += eps
+        return mixed
+
     def prefetch(self, idx: Tensor) -> None:
         """Sync ``z`` of the first batch (and the replica) before the first :meth:`sample`.
 
@@ -256,6 +275,7 @@ class GibbsLabeler:
                                "commit(..., next_idx=idx) for this batch")
         z_old = self._pending[1]
         warm = self.step_count < self.cfg.warmup_steps
+        probs = self.outlier_proposal(probs)
         counted = None
         if self.trusted is not None:
             counted = ~self.trusted[idx]

@@ -36,7 +36,9 @@ def train_one_epoch(model: nn.Module, batches: Iterable[Any], optimizer: torch.o
                     num_classes: int | None = None,
                     after_step: Callable[[], None] | None = None,
                     loss_fn: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
-                    before_step: Callable[[], None] | None = None) -> dict[str, float]:
+                    before_step: Callable[[], None] | None = None,
+                    observe: Callable[[Tensor, Tensor, Tensor], None] | None = None
+                    ) -> dict[str, float]:
     """One pass over ``batches``.
 
     labeler None: cross-entropy on the observed labels (CE; trusted samples, if a
@@ -46,7 +48,9 @@ def train_one_epoch(model: nn.Module, batches: Iterable[Any], optimizer: torch.o
     method's own parameters outside DDP: all-reduce their gradients). Otherwise LCCN:
     forward -> Gibbs-sample z (Eq. 7) -> ξ-clipped CE on z (or, with
     ``targets="posterior"``, on the Eq. 7 conditional z was drawn from) -> backward ->
-    optimiser step -> commit z (async; the store's reply is awaited by the next sample).
+    optimiser step -> commit z (async; the store's reply is awaited by the next sample);
+    ``observe(idx (B,), posterior (B, K_latent), valid (B,) bool)`` sees the Eq. 7
+    conditional of every batch (LCCN*'s p(outlier) average).
     Returns loss, label_recovery (sampled z == clean where the clean label is known),
     changed (fraction of z that moved), staleness, gamma, step_time, sampler_time,
     sampler_share, sync_time, images_per_s, steps.
@@ -82,6 +86,8 @@ def train_one_epoch(model: nn.Module, batches: Iterable[Any], optimizer: torch.o
             z, stats = labeler.sample(probs, observed, idx)
             tot["sampler"] += time.perf_counter() - t0 - stats.wait
             tot["sync"] += stats.wait
+            if observe is not None:
+                observe(idx, stats.posterior, valid)
             target = z if labeler.cfg.targets != "map" else stats.posterior.argmax(1)
             target = target.to(dev, non_blocking=True)
             stage.put(z)  # to the host for the commit, without waiting for it here
