@@ -4,7 +4,7 @@
 # two-network methods start first. Runs still going after LIMIT seconds are stopped (their
 # logs say how far they got); the report covers the finished ones.
 #
-#   bash benchmarks/gpu_cifar_methods.sh DATA_DIR OUT_DIR [SEEDS] [LIMIT]
+#   [METHODS="lccn lccn_star"] bash benchmarks/gpu_cifar_methods.sh DATA_DIR OUT_DIR [SEEDS] [LIMIT]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 data=${1:?DATA_DIR}; out=${2:?OUT_DIR}; seeds=${3:-0}; limit=${4:-3000}
@@ -14,7 +14,7 @@ PY=${PYTHON:-python3}
 mkdir -p "$out"
 "$PY" -c "from pipeline.cifar_memory import load_cifar10 as f; import tempfile, os; f('$data/cifar10-jpeg.tar.gz', cache_dir=os.path.join(tempfile.gettempdir(), 'lccn-cifar10-cache'))" || exit 1
 jobs=()
-for m in divide_lccn dividemix lccn lccn_star lccn_plus ce bootstrap forward sadapt trevision; do
+for m in ${METHODS:-divide_lccn dividemix lccn lccn_star lccn_plus ce bootstrap forward sadapt trevision}; do
   for seed in $seeds; do
     for s in asym0.5 sym0.5 idn0.4 open0.3; do jobs+=("$s $seed $m"); done
   done

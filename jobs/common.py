@@ -305,6 +305,10 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
     m.add_argument("--anneal", action=argparse.BooleanOptionalAction, default=None,
                    help="power annealing max(exp(-0.8 step/max_step), 0.5)")
     m.add_argument("--outlier", action="store_true", help="LCCN*: K+1 latent classes")
+    m.add_argument("--outlier-prior", type=float, default=0.0, metavar="EPS",
+                   help="LCCN*: prior mass of the outlier class in Eq. 7 over the first half "
+                        "of the LCCN phase (0 = off; 0.5 makes the exported outlier flags "
+                        "fire, at some cost in accuracy: docs/methods.md)")
     m.add_argument("--trusted-fraction", type=float, default=0.0,
                    help="LCCN+: this fraction of samples with a clean label is trusted")
     m.add_argument("--trusted", type=int, default=0, metavar="N",
@@ -380,7 +384,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
                           milestones=tuple(args.milestones), lr_decay=args.lr_decay),
         lccn=LCCNConfig(alpha=args.alpha, warmup_steps=args.warmup_steps, warmup=args.warmup,
                         targets=args.targets, ramp=args.ramp, anneal=anneal,
-                        outlier=args.outlier,
+                        outlier=args.outlier, outlier_prior=getattr(args, "outlier_prior", 0.0),
                         use_trusted=uses_trusted(args),
                         commit_every=args.commit_every),
         baseline=baseline_config(args),

@@ -229,7 +229,7 @@ def test_outlier_export_survives_a_failure_in_its_window(digits, tmp_path, one_t
     last epoch (the averaging window, after a mid-epoch checkpoint) and resumes writes the
     same outliers.csv into its final checkpoint as the uninterrupted run."""
     run, dist, view, _, _ = _local_run(digits, tmp_path / "a", epochs=3)
-    run = replace(run, lccn=replace(run.lccn, outlier=True))
+    run = replace(run, lccn=replace(run.lccn, outlier=True, outlier_prior=0.5))
     z0, counted = initial_assignment_placeholder(view, run)
     obs = torch.from_numpy(view.observed)
     files = []
@@ -699,7 +699,7 @@ def test_lccn_star_plus_on_ray_exports_outliers_and_keeps_the_trusted_set_out_of
     run = RunConfig(method="lccn", seed=0, model=ModelConfig("small_cnn", in_channels=1),
                     optim=OptimConfig(epochs=EPOCHS, pretrain_epochs=PRETRAIN, batch_size=64,
                                       lr=0.05),
-                    lccn=LCCNConfig(outlier=True, use_trusted=True))
+                    lccn=LCCNConfig(outlier=True, use_trusted=True, outlier_prior=0.5))
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     dist = DistConfig(run_name="star-plus", run_dir=str(tmp_path), train_source=str(train),
                       test_source=str(test), num_workers=2, loader_workers=0,

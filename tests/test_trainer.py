@@ -183,6 +183,7 @@ def _open_set_digits(seed=0, fraction=0.2):
 
 
 def _star_cfg(**lccn):
+    lccn = {"outlier_prior": 0.5, **lccn}  # the outlier row's warm-up on: flags that fire
     return RunConfig(method="lccn", seed=0, model=ModelConfig("small_cnn", 1),
                      optim=OptimConfig(epochs=6, pretrain_epochs=2, batch_size=64, lr=0.05),
                      lccn=LCCNConfig(outlier=True, **lccn))
