@@ -429,7 +429,9 @@ class LocalChain:
                                     counted=counted)
 
     def labeler(self, cfg: Any, *, phi_init: Tensor, max_steps: int, trusted: Tensor | None,
-                clean: Tensor) -> GibbsLabeler:
+                clean: Tensor, steps_per_epoch: int) -> GibbsLabeler:
+        """The worker's labeler over the in-process store (no other worker: ``commit_every``
+        as configured)."""
         labeler = GibbsLabeler(cfg, self.store, self.store.counts, self.store.version,
                                phi_init=phi_init, max_steps=max_steps, generator=self.generator,
                                trusted=trusted, clean=clean, device=self.device,
@@ -493,9 +495,13 @@ class SharedChain:
         self.session.barrier()
 
     def labeler(self, cfg: Any, *, phi_init: Tensor, max_steps: int, trusted: Tensor | None,
-                clean: Tensor) -> GibbsLabeler:
+                clean: Tensor, steps_per_epoch: int) -> GibbsLabeler:
+        """This rank's labeler over the store actor. ``commit_every`` is capped at a quarter
+        of an epoch's steps, so a replica never misses most of an epoch of the other
+        workers' labels (tiny runs, e.g. smoke tests)."""
         from pipeline.dist_worker import DistLabeler
 
+        cfg = replace(cfg, commit_every=min(cfg.commit_every, max(1, steps_per_epoch // 4)))
         counts, version = self.client.snapshot()
         rank = self.session.rank
         return DistLabeler(cfg, self.client, counts, version, phi_init=phi_init,
@@ -605,8 +611,7 @@ class Tracking:
 class EngineOptions:
     """checkpoint_every: also checkpoint every n global steps inside an epoch (0: epoch
     ends only); pretrained: ImageNet weights; lr_values: per-phase learning rates (see
-    :class:`pipeline.dist_worker.DistConfig`); mixed_precision: False turns
-    ``RunConfig.perf``'s bf16 autocast and channels-last off whatever it says; raise_on_collapse: the collapse monitor raises
+    :class:`pipeline.dist_worker.DistConfig`); raise_on_collapse: the collapse monitor raises
     :class:`~pipeline.monitor.ChainCollapsed` itself (one process) instead of every rank
     stopping together after the epoch; after_step: called with the global step after each
     step (fault injection); on_epoch: called on rank 0 with (epoch, row)."""
@@ -615,7 +620,6 @@ class EngineOptions:
     checkpoint_every: int = 0
     pretrained: bool = False
     lr_values: tuple[float, ...] = ()
-    mixed_precision: bool = True
     raise_on_collapse: bool = False
     tracking: Tracking | None = None
     after_step: Callable[[int], None] | None = None
@@ -754,9 +758,7 @@ class Engine:
         self.start_epoch = self.start_batch = 0
         if state is not None:
             self._load(state)
-        perf = run.perf
-        if not self.options.mixed_precision:
-            perf = replace(perf, amp="off", channels_last="off")
+        perf = run.perf  # the step's fast paths: RunConfig.perf alone decides them
         for m in self.members:
             # channels-last converts the parameters in place: the optimizer keeps them
             norm = self.options.normalize

@@ -189,7 +189,7 @@ class LocalTrainer:
                       for _ in range(method.num_chains)]
             chain = chains[0] if len(chains) == 1 else ChainSet(chains)
         self.engine = Engine(cfg, session or ProcessSession(device), data, chain=chain,
-                             options=EngineOptions(run_name="local", mixed_precision=True,
+                             options=EngineOptions(run_name="local",
                                                    raise_on_collapse=True,
                                                    out_dir=None if out_dir is None else str(out_dir),
                                                    sample_idx=self.train_rows,

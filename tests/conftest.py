@@ -20,6 +20,17 @@ ISOLATED_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI", "MLFLOW_EXPERIMENT
                 "RAY_JOB_ID", "LCCN_RUNS")
 
 
+@pytest.fixture
+def one_thread():
+    """Two cores shared with other processes: one intra-op thread avoids oversubscription."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 def pytest_configure(config) -> None:
     for key in ISOLATED_ENV:
         os.environ.pop(key, None)

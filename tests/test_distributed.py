@@ -31,15 +31,6 @@ sys.path.insert(0, str(REPO / "jobs"))
 import quickstart_ray  # noqa: E402
 
 
-@pytest.fixture
-def one_thread():
-    """Two cores shared with other processes: one intra-op thread avoids oversubscription."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.fixture(scope="module")
 def digits(tmp_path_factory):
     """Digits shards (train 1258 / test 539, 100 per shard) and a 40% pair-flip view."""

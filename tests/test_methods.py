@@ -33,15 +33,6 @@ import quickstart_ray  # noqa: E402
 BASELINES = ("bootstrap", "forward", "sadapt", "trevision")
 
 
-@pytest.fixture
-def one_thread():
-    """Two cores shared with other processes: one intra-op thread avoids oversubscription."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 def _run(method: str, *, epochs: int = 6, pretrain: int = 2, **baseline) -> RunConfig:
     return RunConfig(method=method, seed=0, model=ModelConfig("small_cnn", 1),
                      optim=OptimConfig(epochs=epochs, pretrain_epochs=pretrain, batch_size=64,

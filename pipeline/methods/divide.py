@@ -436,7 +436,8 @@ class DivideLCCN(DivideMix):
                 lab = self.engine.chain[k].labeler(
                     self.lc, phi_init=self.phi_init[k],
                     max_steps=(o.epochs - o.pretrain_epochs) * steps_per_epoch,
-                    trusted=None, clean=self.engine.data.clean)
+                    trusted=None, clean=self.engine.data.clean,
+                    steps_per_epoch=steps_per_epoch)
                 lab.step_count = self.lccn_steps[k]
                 self.labelers.append(lab)
         super().begin_epoch(epoch, steps_per_epoch)

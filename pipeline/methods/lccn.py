@@ -9,7 +9,6 @@ import csv
 import io
 import math
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -162,16 +161,11 @@ class LCCN(Method):
             return
         if self.labeler is None:
             o = self.run.optim
-            cfg = self.cfg
-            if self.engine.chain.shared:
-                # at most a quarter of an epoch's steps per push: a replica never misses most
-                # of an epoch of the other workers' labels (tiny runs, e.g. smoke tests)
-                cfg = replace(cfg, commit_every=min(cfg.commit_every,
-                                                    max(1, steps_per_epoch // 4)))
             self.labeler = self.engine.chain.labeler(
-                cfg, phi_init=self.phi_init,
+                self.cfg, phi_init=self.phi_init,
                 max_steps=(o.epochs - o.pretrain_epochs) * steps_per_epoch,
-                trusted=self.trusted, clean=self.engine.data.clean)
+                trusted=self.trusted, clean=self.engine.data.clean,
+                steps_per_epoch=steps_per_epoch)
             self.labeler.step_count = self.lccn_step
         if hasattr(self.labeler, "max_staleness"):
             self.labeler.max_staleness = 0
