@@ -14,6 +14,7 @@ from torch import Tensor
 
 from pipeline.confusion import transition
 from pipeline.engine import transition_error
+from pipeline import label_issues
 from pipeline.lccn import GibbsLabeler
 from pipeline.loop import predict, train_one_epoch
 from pipeline.methods.base import Method, register
@@ -41,6 +42,7 @@ class LCCN(Method):
         self.lccn_step = 0
         self.labeler: GibbsLabeler | None = None
         self.pretrained_probs: Tensor | None = None
+        self.report = label_issues.accumulator_for(run, engine, k_latent=self.num_outputs())
 
     def num_outputs(self) -> int:
         return self.num_classes + 1 if self.cfg.outlier else self.num_classes
@@ -98,9 +100,12 @@ class LCCN(Method):
         self._epoch = epoch
         stats = train_one_epoch(m.train_model, batches, m.optimizer, labeler=active,
                                 trusted=self.trusted, xi=self.cfg.xi, device=self.engine.device,
-                                num_classes=self.num_classes, after_step=after_step)
+                                num_classes=self.num_classes, after_step=after_step,
+                                on_posterior=self.report.sink(epoch) if active else None)
         if self.labeler is not None:
             self.lccn_step = self.labeler.step_count
+        if active is not None:
+            label_issues.finish_epoch(self.report, self.engine, epoch, [m.eval_model])
         return stats
 
     def flush(self) -> None:
@@ -135,9 +140,11 @@ class LCCN(Method):
 
     def state_dict(self) -> dict[str, Any]:
         return {"lccn_step": self.lccn_step, "phi_init": self.phi_init,
-                "monitor_val_start": self.monitor.val_start}
+                "monitor_val_start": self.monitor.val_start,
+                label_issues.STATE_KEY: self.report.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.lccn_step = int(state.get("lccn_step", 0))
         self.phi_init = state.get("phi_init")
         self.monitor.val_start = float(state.get("monitor_val_start", math.nan))
+        self.report.load_state_dict(state.get(label_issues.STATE_KEY))
