@@ -41,6 +41,7 @@ posteriors are ``(N, K_latent)`` with rows summing to 1; ``clean`` is ``-1`` whe
 and ``K`` for an out-of-distribution sample.
 
     python -m pipeline.label_issues CHECKPOINT_DIR --shards TRAIN_SPLIT [--label-view V.npz]
+    (or lccn-label-issues ...)
         [--out DIR] [--k 20 50] [--tracking-uri URI --mlflow-run-id ID]
 """
 
@@ -565,8 +566,10 @@ def job_report(state: dict, *, clean: np.ndarray | None, train_source: str,
 
 
 def get_args_parser() -> argparse.ArgumentParser:
+    from shards.cli import prog_name
+
     p = argparse.ArgumentParser(
-        prog="python -m pipeline.label_issues",
+        prog=prog_name("pipeline.label_issues"),
         description="The label-issue report of a finished LCCN run, from its checkpoint: "
                     "suspected mislabelled (and, for LCCN*, out-of-distribution) training "
                     "samples, ranked, with precision/recall at k beside cleanlab's.")
@@ -588,7 +591,15 @@ def get_args_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> LabelIssueReport:
+def main(argv: list[str] | None = None) -> int:
+    """The command line (``python -m pipeline.label_issues``, ``lccn-label-issues``);
+    0 on success."""
+    run_cli(argv)
+    return 0
+
+
+def run_cli(argv: list[str] | None = None) -> LabelIssueReport:
+    """:func:`main`, returning the report."""
     args = get_args_parser().parse_args(argv)
     state_file = args.checkpoint / "state.pt"
     if not state_file.is_file():
