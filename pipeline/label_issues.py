@@ -297,8 +297,10 @@ def cleanlab_ranking(probs: np.ndarray, observed: np.ndarray, idx: np.ndarray, *
     obs = np.asarray(observed, dtype=np.int64)
     flagged = np.zeros(len(obs), dtype=bool)
     if len(obs):
-        flagged = np.asarray(find_label_issues(obs, p, filter_by="prune_by_noise_rate"),
-                             dtype=bool)
+        # n_jobs=1: cleanlab's default forks a process pool, which deadlocks in a process
+        # with threads (a Ray worker, a sweep trial)
+        flagged = np.asarray(find_label_issues(obs, p, filter_by="prune_by_noise_rate",
+                                               n_jobs=1), dtype=bool)
         quality = get_label_quality_scores(obs, p, method="self_confidence")
     else:
         quality = np.zeros(0)
