@@ -126,14 +126,15 @@ class ReportAccumulator:
         """Sum this epoch's part over ranks (every rank calls it) into ``sum``/``count``."""
         if not self.covers(epoch):
             return
-        part = (torch.zeros(self.num_samples, self.k_latent + 1, dtype=torch.float64)
+        # float32: sums of at most a few probabilities, counts exact up to 2^24
+        part = (torch.zeros(self.num_samples, self.k_latent + 1, dtype=torch.float32)
                 if self._part is None else
-                torch.cat([self._part.double(), self._part_n.double().unsqueeze(1)], 1).cpu())
+                torch.cat([self._part, self._part_n.float().unsqueeze(1)], 1).cpu())
         tot = reduce(part)
         if self.sum is None:
             self.sum = torch.zeros(self.num_samples, self.k_latent, dtype=torch.float32)
             self.count = torch.zeros(self.num_samples, dtype=torch.int64)
-        self.sum += tot[:, :-1].float()
+        self.sum += tot[:, :-1]
         self.count += tot[:, -1].round().long()
         self.epochs.append(int(epoch))
         self._part = self._part_n = None

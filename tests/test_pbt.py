@@ -69,7 +69,8 @@ def test_pbt_sweep_exploits_and_resumes_from_the_other_trials_checkpoint(tmp_pat
                                  "lccn.alpha": {"loguniform": [0.1, 10.0]}}))
     out = sweep.main(["--job", "quickstart", "--scheduler", "pbt", "--num-samples", "1",
                       "--space", str(space), "--name", "pbt", "--sweep-dir", str(tmp_path),
-                      "--", "--epochs", str(epochs), "--pretrain-epochs", "1", "--num-workers", "1",
+                      "--", "--epochs", str(epochs), "--pretrain-epochs", "1",
+                      "--num-workers", "1",
                       "--milestones"])
     assert out["complete"] and out["errors"] == 0
     trials = {r["trial_id"]: r for r in out["trials"]}

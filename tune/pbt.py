@@ -162,12 +162,13 @@ def _report(result: dict[str, Any], path: str | None) -> None:
 
     from pipeline.engine import META_FILE, STATE_FILE
 
-    if path is None or not Path(path).is_dir():
-        ray.tune.report(result)
-        return
     with tempfile.TemporaryDirectory(prefix="lccn-pbt-") as tmp:
-        for name in (STATE_FILE, META_FILE):
-            shutil.copy2(Path(path) / name, Path(tmp) / name)
+        try:
+            for name in (STATE_FILE, META_FILE):
+                shutil.copy2(Path(path) / name, Path(tmp) / name)
+        except (OSError, TypeError):  # no checkpoint, or Train already replaced it (its
+            ray.tune.report(result)   # num_to_keep): this epoch cannot be cloned
+            return
         ray.tune.report(result, checkpoint=ray.tune.Checkpoint.from_directory(tmp))
 
 

@@ -4,7 +4,8 @@
 (:mod:`tune.search_spaces`) put into its RunConfig.
 
 Every epoch of a trial's Train run reaches Tune (:mod:`tune.reporting`), so ASHA stops weak
-trials after 1, 2, 4, ... epochs (``--scheduler fifo``: never). Trials are stopped and ranked
+trials after 1, 2, 4, ... epochs (``--scheduler fifo``: never; ``--scheduler pbt``:
+population-based training over alpha and the annealing floor, :mod:`tune.pbt`). Trials are stopped and ranked
 by ``val_top1`` (max), the accuracy on the noisy validation split (``--val-fraction`` of the
 training samples, against their observed labels: what a user with noisy data has); the
 clean ``test_top1`` is reported beside it and never used to choose (:mod:`tune.results`).
@@ -31,6 +32,7 @@ lowers it). The trial driver asks for memory and no CPU, so that two workers fit
     python -m tune.sweep --job quickstart --num-samples 8 -- --epochs 30   # after --: job options
     python -m tune.sweep --job cifar --alpha-grid --name a -- --data DIR/cifar10 --gpu
     python -m tune.sweep --job clothing1m --space my_space.json -- --data DIR/clothing1m
+    python -m tune.sweep --job quickstart --scheduler pbt --num-samples 4 -- --num-workers 1
 """
 
 from __future__ import annotations
