@@ -26,8 +26,9 @@ from shards.labelview import CIFAR10_CLASSES  # noqa: E402
 JOB = "cifar_lccn"
 NOISE = {"cifar10": '{"kind": "asymmetric", "rate": 0.4, "seed": 0}',
          "cifar100": '{"kind": "cifar100_superclass", "rate": 0.4, "seed": 0}'}
+# the smoke test's noise is --noise (default: CIFAR-10's), e.g. an open-set view for LCCN*
 SMOKE = common.SmokeData(dataset="cifar10", num_classes=10, size=(32, 32),
-                         noise=NOISE["cifar10"], classes=CIFAR10_CLASSES)
+                         classes=CIFAR10_CLASSES)
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -46,8 +47,8 @@ def prepare_run(args: argparse.Namespace) -> common.JobRun:
     """Parsed arguments -> the run's configs and label view (nothing trained yet)."""
     dataset = "cifar10" if args.smoke_test else args.dataset
     preset = common.PRESETS[dataset]
-    if args.warmup is None:
-        args.warmup = preset.warmup
+    args.dataset = dataset
+    common.resolve_recipe(args)
     if args.noise is None:
         args.noise = NOISE[dataset]
     log = [f"[{JOB}] {dataset}: warm-up transition {args.warmup}"]

@@ -22,7 +22,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +41,15 @@ from pipeline.noise import format_transition  # noqa: E402
 
 @dataclass(frozen=True)
 class Preset:
-    """A dataset's training recipe from the paper (Sec. 5) and the shard/transform preset.
+    """A training recipe: a dataset's (the paper's Sec. 4.1.3, shared by every method that
+    follows the paper's schedule) or a method's own on that dataset (DivideMix's, which
+    DivideMix and DivideLCCN follow), with the shard/transform preset. The table in
+    docs/methods.md ("Presets") is :func:`presets_table` of :data:`RECIPES`.
 
     lr_values: learning rate per phase between ``milestones`` (empty: ``lr`` decayed by
     ``lr_decay`` at each milestone). ``epochs`` counts every epoch, the first
-    ``pretrain_epochs`` of them cross-entropy (Algorithm 3, line 1).
+    ``pretrain_epochs`` of them cross-entropy (Algorithm 3, line 1; DivideMix's warm-up).
+    ``source``: where the numbers come from.
     """
 
     name: str
@@ -69,8 +73,13 @@ class Preset:
     in_channels: int = 3
     note: str = ""
     method: str = "lccn"
-    mixmatch_alpha: float = 4.0  # DivideMix / DivideLCCN (DivideConfig)
+    # DivideMix / DivideLCCN (DivideConfig)
+    mixmatch_alpha: float = 4.0
     lambda_u: float = 25.0
+    p_threshold: float = 0.5
+    temperature: float = 0.5
+    conf_penalty: bool = False
+    source: str = ""
 
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (
@@ -82,15 +91,18 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     # paper's): the library defaults, which do not collapse from a weak start (docs/fidelity.md)
     Preset("cifar10", "preact_resnet32", "cifar", 128, 0.5, 120, 40, 5e-4, 20_000, "anchor",
            milestones=(40, 80), lr_values=(0.5, 0.1, 0.01),
-           note="the first 40 epochs (lr 0.5) are the CE pre-training"),
+           note="the first 40 epochs (lr 0.5) are the CE pre-training",
+           source="LCCN paper Sec. 4.1.3 (CIFAR); Tables 2-4, OTS"),
     Preset("cifar100", "preact_resnet32", "cifar", 128, 0.5, 120, 40, 5e-4, 20_000, "identity",
            milestones=(40, 80), lr_values=(0.5, 0.1, 0.01),
-           note="the first 40 epochs (lr 0.5) are the CE pre-training"),
+           note="the first 40 epochs (lr 0.5) are the CE pre-training",
+           source="LCCN paper Sec. 4.1.3 (CIFAR); Tables 2-4, OTS"),
     # ResNet-50 (ImageNet weights), batch 32, lr 0.001 fixed, 5 epochs, wd 1e-3, warm-up
     # 40,000 steps, power annealing on. Our choices: 1 of the 5 epochs is CE pre-training;
     # anchor warm-up and posterior targets as above.
     Preset("clothing1m", "resnet50", "clothing1m", 32, 0.001, 5, 1, 1e-3, 40_000, "anchor",
-           anneal=True, pretrained=True, note="1 of the 5 epochs is CE pre-training"),
+           anneal=True, pretrained=True, note="1 of the 5 epochs is CE pre-training",
+           source="LCCN paper Sec. 4.1.3 (Clothing1M); Table 5, OTS"),
     # Inception-ResNet-v2, batch 64, lr 0.01 divided by 10 after 40 epochs, annealing on.
     # The paper gives neither the epoch count nor wd nor warm-up: ours are 80, 5e-4, 40,000.
     # The method is DivideLCCN with DivideMix's WebVision settings (MixMatch alpha 0.5,
@@ -98,15 +110,116 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("webvision", "inception_resnet_v2", "webvision", 64, 0.01, 80, 10, 5e-4, 40_000,
            "anchor", anneal=True, milestones=(40,), method="divide_lccn", mixmatch_alpha=0.5,
            lambda_u=0.0,
-           note="80 epochs (10 CE), wd 5e-4 and 40,000 warm-up steps are our choices"),
+           note="80 epochs (10 CE), wd 5e-4 and 40,000 warm-up steps are our choices",
+           source="LCCN paper Sec. 4.1.3 (WebVision) and Table 7; MixMatch alpha, lambda_u: "
+                  "DivideMix's WebVision settings"),
     # the quickstart: scikit-learn digits, small CNN on the CPU
     # targets "sample": on 1,257 digits a small CNN memorises the noisy labels, and the
     # sampled z (which relabels) beats the posterior target (which follows the labels once
     # memorised): +8.2 vs +2.4 points over CE on three seeds; ramp 0: 8 CE epochs make a
     # strong start here, and the ramp costs most of the gain (docs/fidelity.md)
     Preset("digits", "small_cnn", "digits", 32, 0.1, 30, 8, 5e-4, 0, "anchor",
-           targets="sample", ramp=0.0, milestones=(20,), in_channels=1),
+           targets="sample", ramp=0.0, milestones=(20,), in_channels=1,
+           source="ours (the CPU quickstart; docs/fidelity.md)"),
 )}
+
+
+def _dividemix(dataset: str, **kw: Any) -> Preset:
+    """DivideMix's own schedule on ``dataset`` (its authors' code), which DivideMix and,
+    per the LCCN paper's tables, DivideLCCN follow; the LCCN sampler settings stay the
+    dataset's."""
+    return replace(PRESETS[dataset], lr_values=(), **kw)
+
+
+_DM_CIFAR = "DivideMix (Li et al. 2020) Sec. 4.1 and its code (Train_cifar.py); LCCN " \
+            "paper Table 2: DivideLCCN follows DivideMix's schedule"
+_DM_CLOTHING = "DivideMix Sec. 4.1 and its code (Train_clothing1M.py); LCCN paper " \
+               "Table 5 (DivideLCCN on its schedule)"
+
+# (dataset, method) -> the method's own recipe where it differs from the dataset's (every
+# other method follows the dataset's: the LCCN paper's "OTS", Tables 1-4)
+METHOD_PRESETS: dict[tuple[str, str], Preset] = {}
+for _m in ("dividemix", "divide_lccn"):
+    METHOD_PRESETS[("cifar10", _m)] = _dividemix(
+        "cifar10", model="preact_resnet18", batch_size=64, lr=0.02, epochs=300,
+        pretrain_epochs=10, milestones=(150,), method=_m,
+        note="lambda_u 25 is DivideMix's for 50% symmetric noise (0/25/50/150 by level); "
+             "add --conf-penalty under asymmetric noise", source=_DM_CIFAR)
+    METHOD_PRESETS[("cifar100", _m)] = _dividemix(
+        "cifar100", model="preact_resnet18", batch_size=64, lr=0.02, epochs=300,
+        pretrain_epochs=30, milestones=(150,), lambda_u=150.0, method=_m,
+        note="lambda_u 150 is DivideMix's for 50% symmetric noise (25/150 by level)",
+        source=_DM_CIFAR)
+    METHOD_PRESETS[("clothing1m", _m)] = _dividemix(
+        "clothing1m", batch_size=32, lr=0.002, epochs=80, pretrain_epochs=1, milestones=(40,),
+        mixmatch_alpha=0.5, lambda_u=0.0, conf_penalty=True, method=_m,
+        note="an epoch is the whole split here, not DivideMix's 1,000 sampled batches",
+        source=_DM_CLOTHING)
+METHOD_PRESETS[("webvision", "dividemix")] = _dividemix(
+    "webvision", batch_size=32, pretrain_epochs=1, method="dividemix", note="",
+    source="DivideMix Sec. 4.1 and its code (Train_webvision.py)")
+
+
+def recipe(dataset: str, method: str) -> Preset:
+    """The recipe ``method`` runs on ``dataset`` with: its own where it has one
+    (:data:`METHOD_PRESETS`), else the dataset's (:data:`PRESETS`)."""
+    return METHOD_PRESETS.get((dataset, method), PRESETS[dataset])
+
+
+# the Preset fields the jobs take from the recipe unless given on the command line
+RECIPE_ARGS = ("model", "pretrained", "epochs", "pretrain_epochs", "batch_size", "lr",
+               "milestones", "lr_values", "lr_decay", "weight_decay", "alpha", "warmup_steps",
+               "warmup", "targets", "ramp", "anneal", "mixmatch_alpha", "lambda_u",
+               "p_threshold", "temperature", "conf_penalty")
+
+
+def resolve_recipe(args: argparse.Namespace) -> Preset:
+    """Fill every recipe option left unset (None) from the recipe of the job's dataset
+    (``args.dataset`` or ``args.preset_name``) and ``args.method``; returns that recipe.
+    Idempotent."""
+    dataset = getattr(args, "dataset", None) or args.preset_name
+    rec = recipe(dataset, args.method)
+    for name in RECIPE_ARGS:
+        if getattr(args, name, None) is None:
+            value = getattr(rec, name)
+            setattr(args, name, list(value) if isinstance(value, tuple) else value)
+    return rec
+
+
+PRESET_COLUMNS = ("dataset", "methods", "model", "epochs (CE / warm-up)", "batch", "lr",
+                  "lr schedule", "wd", "LCCN: α, δ, warm-up", "DivideMix: α_mix, λu, τ, T",
+                  "source")
+
+
+def presets_table() -> str:
+    """The Markdown table of every recipe (docs/methods.md, "Presets")."""
+    rows = ["| " + " | ".join(PRESET_COLUMNS) + " |", "|" + "---|" * len(PRESET_COLUMNS)]
+    for name, p in PRESETS.items():
+        own = {m: METHOD_PRESETS[(name, m)] for (d, m) in METHOD_PRESETS if d == name}
+        others = [m for m in METHODS if m not in own]
+        groups = [(", ".join(others), p)] + [(m, r) for m, r in own.items()]
+        for methods, r in groups:
+            if r.lr_values:
+                sched = " / ".join(f"{v:g}" for v in r.lr_values) + " from epochs " + \
+                    ", ".join(["0", *map(str, r.milestones)])
+            elif r.milestones:
+                sched = f"/{1 / r.lr_decay:g} at " + ", ".join(map(str, r.milestones))
+            else:
+                sched = "fixed"
+            dm = (f"{r.mixmatch_alpha:g}, {r.lambda_u:g}, {r.p_threshold:g}, {r.temperature:g}"
+                  + (", conf. penalty" if r.conf_penalty else ""))
+            lccn = ("—" if r.method == "dividemix" else
+                    f"{r.alpha:g}, {r.warmup_steps:,} steps, {r.warmup}"
+                    + (", annealing" if r.anneal else ""))
+            if r.method != "dividemix" and r.method != "divide_lccn" and "divide" not in methods:
+                dm = "—"
+            model = r.model + (" (ImageNet weights)" if r.pretrained else "")
+            note = f" {r.note[0].upper()}{r.note[1:]}." if r.note else ""
+            rows.append("| " + " | ".join((
+                name, methods, model, f"{r.epochs} ({r.pretrain_epochs})", str(r.batch_size),
+                f"{r.lr:g}", sched, f"{r.weight_decay:g}", lccn, dm, r.source + "." + note))
+                + " |")
+    return "\n".join(rows) + "\n"
 
 
 def default_run_dir(job: str) -> Path:
@@ -148,7 +261,10 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
                         "shards (default $AWS_ENDPOINT_URL_S3 / $AWS_ENDPOINT_URL, else AWS)")
     g.add_argument("--inject-failure", default="", help=argparse.SUPPRESS)  # tests only
 
-    m = p.add_argument_group(f"method and recipe (defaults: the paper's {preset.name} recipe)")
+    p.set_defaults(preset_name=preset.name)
+    m = p.add_argument_group(
+        f"method and recipe (defaults: the recipe of --method on {preset.name}, the papers' "
+        f"schedules: the table 'Presets' in docs/methods.md)")
     m.add_argument("--method", choices=METHODS, default=preset.method,
                    help="lccn, the ce baseline, dividemix / divide_lccn (two networks), or a "
                         "classic baseline: bootstrap (hard, Reed et al.), forward (Patrini et "
@@ -156,29 +272,29 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
                         "(T-Revision, Xia et al.); each after the same CE pre-training "
                         "(docs/methods.md)")
     m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--model", default=preset.model)
-    m.add_argument("--pretrained", action=argparse.BooleanOptionalAction, default=preset.pretrained,
+    m.add_argument("--model", default=None)
+    m.add_argument("--pretrained", action=argparse.BooleanOptionalAction, default=None,
                    help="ImageNet weights for the backbone (resnet50 only)")
-    m.add_argument("--epochs", type=int, default=preset.epochs, help="total epochs, CE included")
-    m.add_argument("--pretrain-epochs", type=int, default=preset.pretrain_epochs,
+    m.add_argument("--epochs", type=int, default=None, help="total epochs, CE included")
+    m.add_argument("--pretrain-epochs", type=int, default=None,
                    help="CE epochs before LCCN starts")
-    m.add_argument("--batch-size", type=int, default=preset.batch_size,
+    m.add_argument("--batch-size", type=int, default=None,
                    help="global batch (each worker takes batch-size / num-workers)")
-    m.add_argument("--lr", type=float, default=preset.lr)
-    m.add_argument("--milestones", type=int, nargs="*", default=list(preset.milestones))
-    m.add_argument("--lr-values", type=float, nargs="*", default=list(preset.lr_values),
+    m.add_argument("--lr", type=float, default=None)
+    m.add_argument("--milestones", type=int, nargs="*", default=None)
+    m.add_argument("--lr-values", type=float, nargs="*", default=None,
                    help="lr of each phase between milestones (empty: lr x lr-decay per milestone)")
-    m.add_argument("--lr-decay", type=float, default=preset.lr_decay)
-    m.add_argument("--weight-decay", type=float, default=preset.weight_decay)
-    m.add_argument("--alpha", type=float, default=preset.alpha, help="Dirichlet alpha")
-    m.add_argument("--warmup-steps", type=int, default=preset.warmup_steps,
+    m.add_argument("--lr-decay", type=float, default=None)
+    m.add_argument("--weight-decay", type=float, default=None)
+    m.add_argument("--alpha", type=float, default=None, help="Dirichlet alpha")
+    m.add_argument("--warmup-steps", type=int, default=None,
                    help="LCCN steps sampling with phi_init (delta)")
-    m.add_argument("--warmup", choices=("anchor", "eq8", "identity"), default=preset.warmup,
+    m.add_argument("--warmup", choices=("anchor", "eq8", "identity"), default=None,
                    help="how phi_init is estimated (LCCNConfig.warmup)")
     m.add_argument("--targets", choices=("sample", "posterior", "map"),
-                   default=preset.targets,
+                   default=None,
                    help="what the classifier trains on in the LCCN phase (LCCNConfig.targets)")
-    m.add_argument("--ramp", type=float, default=preset.ramp,
+    m.add_argument("--ramp", type=float, default=None,
                    help="fraction of the LCCN phase over which the LCCN target's weight rises "
                         "from 0 to 1 (LCCNConfig.ramp; 0 = the paper)")
     m.add_argument("--commit-every", type=int, default=LCCNConfig.commit_every,
@@ -190,18 +306,33 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
                         "docs/label-issues.md)")
     m.add_argument("--stop-on-collapse", action="store_true",
                    help="stop the run when the collapse monitor fires (default: warn)")
-    m.add_argument("--anneal", action=argparse.BooleanOptionalAction, default=preset.anneal,
+    m.add_argument("--anneal", action=argparse.BooleanOptionalAction, default=None,
                    help="power annealing max(exp(-0.8 step/max_step), 0.5)")
     m.add_argument("--outlier", action="store_true", help="LCCN*: K+1 latent classes")
+    m.add_argument("--outlier-prior", type=float, default=0.0, metavar="EPS",
+                   help="LCCN*: prior mass of the outlier class in Eq. 7 over the first half "
+                        "of the LCCN phase (0 = off; 0.5 makes the exported outlier flags "
+                        "fire, at some cost in accuracy: docs/methods.md)")
     m.add_argument("--trusted-fraction", type=float, default=0.0,
                    help="LCCN+: this fraction of samples with a clean label is trusted")
-    m.add_argument("--p-threshold", type=float, default=0.5,
+    m.add_argument("--trusted", type=int, default=0, metavar="N",
+                   help="LCCN+: N in-distribution samples with a clean label are trusted "
+                        "(stratified by class; 5000 in the paper's CIFAR runs)")
+    m.add_argument("--trusted-outliers", type=int, default=0, metavar="M",
+                   help="LCCN*+: M labelled out-of-distribution samples are trusted too "
+                        "(500 in the paper; needs --outlier and an open-set --noise)")
+    m.add_argument("--trusted-keys", type=Path, default=None, metavar="FILE",
+                   help="LCCN+: the samples whose dataset key is listed in FILE (one per "
+                        "line) are trusted, e.g. Clothing1M's clean_train_key_list.txt")
+    m.add_argument("--p-threshold", type=float, default=None,
                    help="DivideMix/DivideLCCN: clean-probability threshold of the division")
-    m.add_argument("--mixmatch-alpha", type=float, default=preset.mixmatch_alpha,
+    m.add_argument("--mixmatch-alpha", type=float, default=None,
                    help="DivideMix/DivideLCCN: MixMatch Beta(alpha, alpha)")
-    m.add_argument("--lambda-u", type=float, default=preset.lambda_u,
+    m.add_argument("--lambda-u", type=float, default=None,
                    help="DivideMix/DivideLCCN: weight of the unlabelled loss (ramped in)")
-    m.add_argument("--conf-penalty", action="store_true",
+    m.add_argument("--temperature", type=float, default=None,
+                   help="DivideMix/DivideLCCN: sharpening temperature T")
+    m.add_argument("--conf-penalty", action=argparse.BooleanOptionalAction, default=None,
                    help="DivideMix/DivideLCCN: negative-entropy penalty in the CE warm-up "
                         "(asymmetric noise)")
     m.add_argument("--compile", default="off",
@@ -246,7 +377,8 @@ def add_data_args(p: argparse.ArgumentParser, *, noise_default: str) -> None:
 
 
 def run_config(args: argparse.Namespace) -> RunConfig:
-    """The RunConfig of the parsed arguments."""
+    """The RunConfig of the parsed arguments (options left unset: the recipe's)."""
+    resolve_recipe(args)
     anneal = bool(args.anneal)
     return RunConfig(
         method=args.method, seed=args.seed,
@@ -256,18 +388,54 @@ def run_config(args: argparse.Namespace) -> RunConfig:
                           milestones=tuple(args.milestones), lr_decay=args.lr_decay),
         lccn=LCCNConfig(alpha=args.alpha, warmup_steps=args.warmup_steps, warmup=args.warmup,
                         targets=args.targets, ramp=args.ramp, anneal=anneal,
-                        outlier=args.outlier,
-                        use_trusted=args.trusted_fraction > 0,
+                        outlier=args.outlier, outlier_prior=getattr(args, "outlier_prior", 0.0),
+                        use_trusted=uses_trusted(args),
                         commit_every=args.commit_every,
                         report_epochs=getattr(args, "report_epochs", LCCNConfig.report_epochs)),
         baseline=baseline_config(args),
         monitor=MonitorConfig(stop=args.stop_on_collapse),
-        divide=DivideConfig(p_threshold=getattr(args, "p_threshold", 0.5),
-                            mixmatch_alpha=getattr(args, "mixmatch_alpha", 4.0),
-                            lambda_u=getattr(args, "lambda_u", 25.0),
-                            conf_penalty=getattr(args, "conf_penalty", False)),
+        divide=DivideConfig(p_threshold=args.p_threshold, temperature=args.temperature,
+                            mixmatch_alpha=args.mixmatch_alpha, lambda_u=args.lambda_u,
+                            conf_penalty=bool(args.conf_penalty)),
         perf=PerfConfig(compile=getattr(args, "compile", "off"), amp=getattr(args, "amp", "auto")),
         val_fraction=args.val_fraction)
+
+
+def uses_trusted(args: argparse.Namespace) -> bool:
+    """Whether the arguments ask for an LCCN+ trusted set (and check they agree)."""
+    fraction = getattr(args, "trusted_fraction", 0.0)
+    count, outliers = getattr(args, "trusted", 0), getattr(args, "trusted_outliers", 0)
+    keys = getattr(args, "trusted_keys", None)
+    if count < 0 or outliers < 0:
+        raise SystemExit(f"error: --trusted and --trusted-outliers must be >= 0, got {count} "
+                         f"and {outliers}")
+    given = [name for name, on in (("--trusted-fraction", fraction > 0),
+                                   ("--trusted/--trusted-outliers", count > 0 or outliers > 0),
+                                   ("--trusted-keys", keys is not None)) if on]
+    if len(given) > 1:
+        raise SystemExit(f"error: give one way of choosing the trusted set, not {' and '.join(given)}")
+    if outliers > 0 and not getattr(args, "outlier", False):
+        raise SystemExit("error: --trusted-outliers needs --outlier (LCCN*+): a trusted "
+                         "outlier trains on the outlier class K, which only LCCN* has")
+    return bool(given)
+
+
+def trusted_spec(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The label view's ``"trusted"`` entry the arguments ask for (pipeline/noise.py), or
+    None."""
+    if not uses_trusted(args):
+        return None
+    if args.trusted_keys is not None:
+        path = Path(args.trusted_keys).expanduser().resolve()
+        if not path.is_file():
+            raise SystemExit(f"error: --trusted-keys {path}: no such file")
+        return {"keys": str(path)}
+    if args.trusted_fraction > 0:
+        return {"fraction": args.trusted_fraction, "seed": args.seed}
+    spec: dict[str, Any] = {"count": args.trusted, "seed": args.seed}
+    if args.trusted_outliers:
+        spec["outliers"] = args.trusted_outliers
+    return spec
 
 
 def baseline_config(args: argparse.Namespace) -> BaselineConfig:
@@ -300,6 +468,7 @@ def check_transition_file(run: RunConfig, num_classes: int) -> None:
 def apply_smoke(args: argparse.Namespace) -> None:
     """--smoke-test: 2 CPU workers, small CNN, 3 epochs (1 CE), tiny batches, no loader
     processes, a mid-epoch checkpoint; every choice here is printed in the job's log."""
+    resolve_recipe(args)
     args.num_workers, args.gpu, args.loader_workers = 2, False, 0
     args.model, args.pretrained = "small_cnn", False
     args.epochs, args.pretrain_epochs = 3, 1
@@ -315,6 +484,7 @@ def dist_config(args: argparse.Namespace, *, run_name: str, train: str, test: st
                 class_names: list[str], transform: str) -> DistConfig:
     from pipeline.tracking import default_tracking_uri
 
+    resolve_recipe(args)
     run_dir = args.run_dir.expanduser().resolve()
     tracking = None if args.no_tracking else (args.tracking_uri or default_tracking_uri(run_dir))
     return DistConfig(
@@ -390,8 +560,9 @@ def load_view(args: argparse.Namespace, train: str) -> LabelView:
         spec = json.loads(args.noise)
     except json.JSONDecodeError as e:
         raise SystemExit(f"error: --noise is not valid JSON ({e}): {args.noise!r}") from None
-    if args.trusted_fraction > 0:
-        spec["trusted"] = {"fraction": args.trusted_fraction, "seed": args.seed}
+    trusted = trusted_spec(args)
+    if trusted is not None:
+        spec["trusted"] = trusted
     return build_view(train, spec, checksums=getattr(args, "verify_checksums", True))
 
 
@@ -453,7 +624,8 @@ def run_job(args: argparse.Namespace, *, job: str, run: RunConfig, dist: DistCon
             view: LabelView, log: list[str] | None = None,
             callbacks: list[Any] | None = None) -> dict[str, Any]:
     """Fit (or resume) the run on Ray, print a summary and write ``results/<run>.json``
-    under the run dir. Returns the summary dict. ``callbacks``: Ray Train callbacks for the
+    under the run dir (and the method's end-of-run files beside it, LCCN*'s
+    ``results/<run>-outliers.csv``). Returns the summary dict. ``callbacks``: Ray Train callbacks for the
     trainer (a sweep trial's report to Tune)."""
     import ray
 
@@ -466,11 +638,17 @@ def run_job(args: argparse.Namespace, *, job: str, run: RunConfig, dist: DistCon
           f"{run.optim.epochs} epochs ({run.optim.pretrain_epochs} CE), global batch "
           f"{run.optim.batch_size}, N = {len(view)}, K = {view.num_classes}; MLflow "
           f"{dist.tracking_uri or 'off'}", flush=True)
+    keys = None
+    if run.method == "lccn" and run.lccn.outlier and "://" not in dist.train_source:
+        from shards.labelview import read_split_labels  # outliers.csv names each sample
+
+        keys = list(read_split_labels(dist.train_source)["key"])
     started = connect_ray()
     t0 = time.perf_counter()
     try:
         out = fit_distributed(run, dist, view, max_failures=args.max_failures,
-                              cpus_per_worker=args.cpus_per_worker, callbacks=callbacks)
+                              cpus_per_worker=args.cpus_per_worker, callbacks=callbacks,
+                              sample_keys=keys)
     finally:
         if started:
             ray.shutdown()
@@ -505,6 +683,13 @@ def run_job(args: argparse.Namespace, *, job: str, run: RunConfig, dist: DistCon
                                                  run_id=summary["mlflow_run_id"])
     out_dir = Path(dist.run_dir) / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
+    summary["files"] = {}
+    for name, text in (out.get("files") or {}).items():  # LCCN*: outliers.csv
+        path = out_dir / f"{dist.run_name}-{name}"
+        path.write_text(text)
+        summary["files"][name] = str(path)
+        print(f"[{job}] {name}: {path}" + (f" ({_flagged(text)})" if name.startswith("outliers")
+                                           else ""), flush=True)
     (out_dir / f"{dist.run_name}.json").write_text(
         json.dumps(json_safe(summary), indent=1, default=str, allow_nan=False))
     return summary
@@ -533,6 +718,16 @@ def label_issue_report(state: dict[str, Any], *, view: LabelView, dist: DistConf
                          f"{ev['r_precision']:.3f}, flagged {ev['flagged']}")
         print("\n".join(lines), flush=True)
     return rep
+
+
+def _flagged(outliers_csv: str) -> str:
+    """``"F of N samples flagged"`` for an ``outliers.csv`` text."""
+    import csv
+    import io
+
+    rows = list(csv.DictReader(io.StringIO(outliers_csv)))
+    flagged = sum(r["flag"] == "1" for r in rows)
+    return f"{flagged} of {len(rows)} training samples flagged as outliers"
 
 
 def selected_epoch(history: list[dict[str, float]]) -> dict[str, Any] | None:
@@ -583,6 +778,11 @@ def prepare(args: argparse.Namespace, *, job: str, preset: Preset) -> list[str]:
     """Normalise parsed arguments shared by every job; returns log lines to print."""
     log = []
     args.in_channels = preset.in_channels
+    rec = resolve_recipe(args)
+    if rec is not preset and rec.name == preset.name and not args.smoke_test:
+        log.append(f"[{job}] --method {args.method} runs its own {rec.name} recipe: "
+                   f"{rec.epochs} epochs ({rec.pretrain_epochs} warm-up), batch "
+                   f"{rec.batch_size}, lr {rec.lr:g} ({rec.source})")
     if args.smoke_test:
         apply_smoke(args)
         log.append(f"[{job}] --smoke-test: 2 CPU workers, small_cnn, 3 epochs (1 CE), global "
@@ -590,8 +790,8 @@ def prepare(args: argparse.Namespace, *, job: str, preset: Preset) -> list[str]:
     if args.run_name is None:  # a new run each time; pass --run-name to resume one
         stamp = time.strftime("%Y%m%d-%H%M%S")
         args.run_name = f"{job}-{args.method}" + ("-smoke" if args.smoke_test else "") + f"-{stamp}"
-    if preset.note and not args.smoke_test:
-        log.append(f"[{job}] preset {preset.name}: {preset.note}")
+    if rec.note and not args.smoke_test:
+        log.append(f"[{job}] preset {rec.name}: {rec.note}")
     args.run_dir = args.run_dir.expanduser().resolve()
     return log
 

@@ -7,13 +7,20 @@ Conventions (docs/design.md):
   outlier). int64.
 - ``phi[k, j] = P(observed = j | latent = k)``; rows sum to 1.
 
-All functions are pure tensor maps except :func:`apply_delta_`, which updates ``C`` in place.
+All functions are pure tensor maps except :func:`apply_delta_` and :func:`apply_moves_host`,
+which update ``C`` in place.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
+
+try:  # compiled host kernels for the CPU path (optional: the torch path serves without)
+    import numba
+except ImportError:
+    numba = None
 
 
 def as_alpha(alpha: float | Tensor | list, num_classes: int, *, dtype=torch.float64) -> Tensor:
@@ -68,6 +75,68 @@ def apply_delta_(counts: Tensor, observed: Tensor, z_old: Tensor, z_new: Tensor)
     flat.index_add_(0, z_old.long() * k + observed.long(), -ones)
     flat.index_add_(0, z_new.long() * k + observed.long(), ones)
     return counts
+
+
+def _moves_kernel(idx, z_new, counted, z, observed, counts, out):
+    """Own moves of one batch: ``z[idx] = z_new`` for counted samples, each count moved
+    from ``[z_old, j]`` to ``[z_new, j]``, and the moves written to ``out (3, B)`` as
+    (observed, z_old, z_new). Returns how many moved, or -1 (idx) / -2 (z_new) on an
+    out-of-range value, before anything is written for that sample."""
+    n = z.shape[0]
+    k_latent = counts.shape[0]
+    moved = 0
+    for t in range(idx.shape[0]):
+        i = idx[t]
+        if i < 0 or i >= n:
+            return -1
+        if not counted[i]:
+            continue
+        new = z_new[t]
+        if new < 0 or new >= k_latent:
+            return -2
+        old = z[i]
+        if old != new:
+            j = observed[i]
+            counts[old, j] -= 1
+            counts[new, j] += 1
+            out[0, moved] = j
+            out[1, moved] = old
+            out[2, moved] = new
+            moved += 1
+            z[i] = new
+    return moved
+
+
+if numba is not None:
+    _moves_kernel = numba.njit(cache=True, nogil=True)(_moves_kernel)
+
+
+def apply_moves_host(counts: Tensor, z: Tensor, observed: Tensor, counted: Tensor, idx: Tensor,
+                     z_new: Tensor) -> tuple[Tensor, Tensor, Tensor] | None:
+    """Apply one worker's own moves to CPU tensors in place, in one compiled call: for each
+    counted sample ``i = idx[t]``, move its count from ``[z[i], observed[i]]`` to
+    ``[z_new[t], observed[i]]`` and set ``z[i] = z_new[t]``.
+
+    counts (K_latent, K) int64; z, observed (N,) int64; counted (N,) bool; idx, z_new (B,)
+    int64. Returns the moves ``(observed, z_old, z_new)`` (the form :func:`apply_delta_`
+    takes), or None when nothing moved. ``ValueError`` naming the value on an out-of-range
+    index or label (samples before it are already applied).
+    """
+    if numba is None:
+        raise RuntimeError("apply_moves_host needs numba (pip install numba)")
+    out = np.empty((3, idx.shape[0]), dtype=np.int64)
+    moved = _moves_kernel(idx.numpy(), z_new.numpy(), counted.numpy(), z.numpy(),
+                          observed.numpy(), counts.numpy(), out)
+    if moved == -1:
+        bad = idx[(idx < 0) | (idx >= z.shape[0])][0]
+        raise ValueError(f"sample index {int(bad)} outside [0, {z.shape[0]})")
+    if moved == -2:
+        bad = z_new[(z_new < 0) | (z_new >= counts.shape[0])][0]
+        raise ValueError(f"latent label {int(bad)} outside [0, {counts.shape[0]})")
+    if moved == 0:
+        return None
+    moves = torch.from_numpy(out[:, :moved])
+    return moves[0], moves[1], moves[2]
 
 
 def transition(counts: Tensor, alpha: float | Tensor = 0.0) -> Tensor:

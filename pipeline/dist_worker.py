@@ -247,7 +247,7 @@ class _Failures:
 
 
 def run_worker(run: RunConfig, dist: DistConfig, view: LabelView, store: Any,
-               session: Session) -> list[dict[str, float]]:
+               session: Session, *, keys: Any = None) -> list[dict[str, float]]:
     """Train this worker's share of the run; returns the epoch rows reported by this worker
     in this (re)start.
 
@@ -255,7 +255,8 @@ def run_worker(run: RunConfig, dist: DistConfig, view: LabelView, store: Any,
     validation split ``val_fraction``); view: the label view of the training split
     (``len(view)`` = N); store: a client of the run's StoreActor (None for a method
     without a chain, e.g. "ce"; a list of one client per chain for a method with several,
-    e.g. "divide_lccn"); session: rank/world size/collectives/checkpoints.
+    e.g. "divide_lccn"); session: rank/world size/collectives/checkpoints; keys: the key
+    of each idx (the ``key`` column of the method's end-of-run files) or None.
     """
     from pipeline.data import LoaderConfig
     from pipeline.methods import get_method
@@ -298,7 +299,8 @@ def run_worker(run: RunConfig, dist: DistConfig, view: LabelView, store: Any,
     options = EngineOptions(run_name=dist.run_name, checkpoint_every=dist.checkpoint_every,
                             pretrained=dist.pretrained, lr_values=dist.lr_values,
                             tracking=tracking, after_step=lambda step: failures(step, stores[0]),
-                            normalize=build_batch_transform(dist.preset) if cuda else None)
+                            normalize=build_batch_transform(dist.preset) if cuda else None,
+                            sample_keys=keys)
     return Engine(run, session, data, chain=chain, options=options).fit()
 
 

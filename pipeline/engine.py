@@ -33,6 +33,8 @@ What is trained, and how, is the *method* (:mod:`pipeline.methods`), chosen by
         moment(): method.flush(), barrier, rank 0 reads the chain state, method.end_epoch
                   (health, monitor), checkpoint, MLflow, report
         collapse flagged (MonitorConfig.stop): every rank stops after this epoch
+    the last moment (rank 0): method.final_files() (LCCN*: outliers.csv) into the final
+    checkpoint, EngineOptions.out_dir and MLflow
 
 A checkpoint (``state.pt``) holds ``models``/``optimizers``/``schedulers`` (one entry per
 member; ``model``/``optimizer``/``scheduler`` name the first), ``epoch``, ``batch``,
@@ -621,6 +623,12 @@ class EngineOptions:
     # uint8 batches (LoaderConfig.normalize_on="device") are normalised by this module on
     # the device, inside the model wrapper
     normalize: nn.Module | None = None
+    # the method's end-of-run files (Method.final_files) are also written here (rank 0)
+    out_dir: str | None = None
+    # for those files: the split's idx of each sample of the run (a run that re-indexed
+    # its samples, e.g. the local trainer without its validation split) and its key
+    sample_idx: np.ndarray | None = None
+    sample_keys: Any = None  # a sequence of str by the split's idx, or None
 
 
 _REDUCED = ("loss", "label_recovery", "changed", "staleness", "gamma", "step_time",
@@ -885,6 +893,26 @@ class Engine:
             self.options.on_epoch(epoch, row)
         return row
 
+    def _final_files(self, checkpoint_dir: str | None) -> list[Path]:
+        """Rank 0, at the run's last moment: the method's end-of-run files, written into
+        the final checkpoint (``checkpoint_dir``), into ``options.out_dir`` and to MLflow.
+        Returns the paths written outside the checkpoint."""
+        files = self.method.final_files()
+        written: list[Path] = []
+        if not files:
+            return written
+        with tempfile.TemporaryDirectory(prefix="lccn-files-") as tmp:
+            for name, text in files.items():
+                dirs = [Path(d) for d in (checkpoint_dir, self.options.out_dir, tmp) if d]
+                for d in dirs:
+                    d.mkdir(parents=True, exist_ok=True)
+                    (d / name).write_text(text)
+                if self.options.out_dir:
+                    written.append(Path(self.options.out_dir) / name)
+                if self.tracker is not None:
+                    self.tracker.log_file(Path(tmp) / name)
+        return written
+
     def _moment(self, epoch: int, batch: int, metrics: dict[str, float], *,
                 row: dict[str, float] | None = None, final: bool = False) -> None:
         """One consistent moment: every rank's async work is done (method.flush), barrier,
@@ -911,6 +939,8 @@ class Engine:
             metrics["store_version"] = float(chain_state["version"])
             metrics.update(self.chain.stats())
         if not checkpointing:
+            if final:
+                self._final_files(None)
             session.report(metrics, None)
             return
         state = {
@@ -948,6 +978,8 @@ class Engine:
                         and (final or epoch % t.transition_every == 0)):
                     tracker.log_transition(phi, epoch=epoch - 1, truth=self.data.transition,
                                            class_names=list(t.class_names) or None)
+            if final:
+                self._final_files(tmp)
             session.report(metrics, tmp)
             if tracker is not None and final:
                 tracker.log_curves(self.history)

@@ -29,15 +29,18 @@ from dataclasses import dataclass
 import time
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from pipeline.config import LCCNConfig
-from pipeline.confusion import apply_delta_, as_alpha
+from pipeline.confusion import apply_delta_, apply_moves_host, as_alpha
 from pipeline.confusion_store import Sync
 from pipeline.fastpath import to_device
-from pipeline.sampler import (anneal_gamma, check_range, conditional_transition, gibbs_draw,
-                              gibbs_posterior, sample_categorical)
+from pipeline.sampler import (HOST_MAX_LATENT, anneal_gamma, check_range,
+                              conditional_transition, gibbs_draw, gibbs_draw_host, gibbs_posterior,
+                              sample_categorical)
+from pipeline.sampler import numba as host_kernel
 
 
 class Store(Protocol):
@@ -113,6 +116,11 @@ class GibbsLabeler:
                                        else compile_mode)
         self.trusted = trusted if cfg.use_trusted else None
         self.clean = clean
+        # the CPU fast path: one compiled call per batch (pipeline.sampler.gibbs_draw_host)
+        self._host = (dev.type == "cpu" and host_kernel and self.counts.dtype == torch.int64
+                      and self.k_latent <= HOST_MAX_LATENT)
+        self._phi_host = (self.phi_init.to(torch.float64).contiguous().numpy()
+                          if self._host else None)
         self.worker = worker
         self.seq = 0
         self.step_count = 0
@@ -142,6 +150,25 @@ class GibbsLabeler:
             return 1.0
         return min(1.0, (self.step_count + 1) / (self.cfg.ramp * self.max_steps))
 
+    def outlier_proposal(self, probs: Tensor) -> Tensor:
+        """LCCN*'s outlier warm-up: ``probs (B, K + 1)`` as Eq. 7 reads them in this step.
+
+        Over the first ``cfg.outlier_warmup`` fraction of the LCCN phase the classifier's
+        probabilities are mixed with a point mass on the outlier class,
+        ``(1 - ε) P(· | x) + ε e_K`` with ``ε = cfg.outlier_prior``: cross-entropy
+        pre-training on the K observed classes only ever lowers the outlier logit, so
+        without it Eq. 7 (whose outlier term is ``P(K | x) φ[K, j]``) would almost never
+        propose the outlier class and LCCN* would stay LCCN. Unchanged otherwise (and
+        for ``K_latent = K``)."""
+        cfg = self.cfg
+        if (self.k_latent == self.num_classes or cfg.outlier_prior <= 0
+                or self.step_count >= cfg.outlier_warmup * self.max_steps):
+            return probs
+        eps = float(cfg.outlier_prior)
+        mixed = probs.detach() * (1.0 - eps)
+        mixed[:, -1] += eps
+        return mixed
+
     def prefetch(self, idx: Tensor) -> None:
         """Sync ``z`` of the first batch (and the replica) before the first :meth:`sample`.
 
@@ -152,7 +179,8 @@ class GibbsLabeler:
             self._absorb(self.store.sync(idx, since=self.version), idx)
             return
         if self._observed is None:
-            self._observed, self._counted = self.store.layout()
+            observed, counted = self.store.layout()
+            self._observed, self._counted = observed.long().contiguous(), counted.bool()
         self._send(full_z=True, since=-1)
         self._resolve(wait=True)
         self._pending = (idx, self._z[idx])
@@ -194,7 +222,7 @@ class GibbsLabeler:
         elif sync.delta_obs.numel():
             apply_delta_(self.counts, sync.delta_obs, sync.delta_old, sync.delta_new)
         if sync.z.numel():
-            self._z = sync.z.clone()
+            self._z = sync.z.to(torch.int64, copy=True)
         self.version = sync.version
         if sync.others >= 0:
             self._staleness = sync.others
@@ -216,6 +244,12 @@ class GibbsLabeler:
     def _apply_own(self, idx: Tensor, z_new: Tensor) -> None:
         """Our own moves, into the replica and our copy of z at once (counted samples)."""
         idx, z_new = idx.long(), z_new.long()
+        if self._host:   # one compiled call on the host tensors
+            move = apply_moves_host(self.counts, self._z, self._observed, self._counted, idx,
+                                    z_new)
+            if move is not None:
+                self._moves.append(move)
+            return
         keep = self._counted[idx]
         if not bool(keep.all()):
             idx, z_new = idx[keep], z_new[keep]
@@ -235,11 +269,13 @@ class GibbsLabeler:
         Trusted samples return their clean label.
         """
         waited = self._resolve()
-        if self._pending is None or not torch.equal(self._pending[0], idx):
+        if self._pending is None or (self._pending[0] is not idx
+                                     and not torch.equal(self._pending[0], idx)):
             raise RuntimeError("sample() needs the batch's z first: call prefetch(idx) or "
                                "commit(..., next_idx=idx) for this batch")
         z_old = self._pending[1]
         warm = self.step_count < self.cfg.warmup_steps
+        probs = self.outlier_proposal(probs)
         counted = None
         if self.trusted is not None:
             counted = ~self.trusted[idx]
@@ -252,6 +288,8 @@ class GibbsLabeler:
                 z_new, post, changed = fast
                 return z_new, SampleStats(gamma, warm, self._staleness, changed, waited, post,
                                           self.ramp())
+        if self._host:
+            return self._sample_host(probs, observed, idx, z_old, gamma, warm, counted, waited)
         # host tensors (observed, z_old, counted) are range-checked where they are and then
         # copied; probs stay where the model put them when that is the replica's device
         post = gibbs_posterior(probs.detach().to(dev), observed.cpu(), z_old, self.counts,
@@ -272,6 +310,32 @@ class GibbsLabeler:
                 changed = float(changed)
         return z_new, SampleStats(gamma, warm, self._staleness, changed, waited, post,
                                   self.ramp())
+
+    def _sample_host(self, probs: Tensor, observed: Tensor, idx: Tensor, z_old: Tensor,
+                     gamma: float, warm: bool, counted: Tensor | None, waited: float
+                     ) -> tuple[Tensor, SampleStats]:
+        """The CPU path for up to ``HOST_MAX_LATENT`` latent classes: Eq. 7 and the draw in
+        one compiled call on numpy views of the replica
+        (:func:`~pipeline.sampler.gibbs_draw_host`), the uniforms from the labeler's
+        generator as :func:`~pipeline.sampler.sample_categorical` draws them."""
+        m = idx.shape[0]
+        u = torch.rand(m, generator=self.generator, dtype=torch.float64)
+        z_prev = z_old.cpu().numpy().astype(np.int64, copy=False)
+        keep = None if counted is None else counted.numpy()
+        post, z_new, moved = gibbs_draw_host(
+            probs.detach().cpu().numpy(), observed.cpu().numpy().astype(np.int64, copy=False),
+            z_prev, self.counts.numpy(), self.alpha.numpy(), u.numpy(), gamma=gamma,
+            phi=self._phi_host if warm else None, counted=keep)
+        if keep is not None and self.clean is not None:
+            fixed = ~keep   # trusted samples: their clean label, a one-hot posterior
+            clean = self.clean[idx].numpy()[fixed]
+            z_new[fixed] = clean
+            post[fixed] = 0.0
+            post[np.flatnonzero(fixed), clean] = 1.0
+            moved = int(np.count_nonzero(z_new != z_prev))
+        return torch.from_numpy(z_new), SampleStats(gamma, warm, self._staleness,
+                                                    moved / m if m else 0.0, waited,
+                                                    torch.from_numpy(post), self.ramp())
 
     def conditional(self, observed: Tensor, idx: Tensor) -> Tensor:
         """The conditional transition term the next :meth:`sample` of this batch uses,

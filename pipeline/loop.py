@@ -37,7 +37,7 @@ def train_one_epoch(model: nn.Module, batches: Iterable[Any], optimizer: torch.o
                     after_step: Callable[[], None] | None = None,
                     loss_fn: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
                     before_step: Callable[[], None] | None = None,
-                    on_posterior: Callable[[Tensor, Tensor], None] | None = None
+                    observe: Callable[[Tensor, Tensor, Tensor], None] | None = None
                     ) -> dict[str, float]:
     """One pass over ``batches``.
 
@@ -48,10 +48,9 @@ def train_one_epoch(model: nn.Module, batches: Iterable[Any], optimizer: torch.o
     method's own parameters outside DDP: all-reduce their gradients). Otherwise LCCN:
     forward -> Gibbs-sample z (Eq. 7) -> ξ-clipped CE on z (or, with
     ``targets="posterior"``, on the Eq. 7 conditional z was drawn from) -> backward ->
-    optimiser step -> commit z (async; the store's reply is awaited by the next sample).
-    ``on_posterior(idx, post)`` (LCCN) receives each batch's Eq. 7 posterior
-    ``(B', K_latent)`` of its valid samples ``idx (B',)``, on the device it was computed on
-    (the label-issue report's running mean, :mod:`pipeline.label_issues`).
+    optimiser step -> commit z (async; the store's reply is awaited by the next sample);
+    ``observe(idx (B,), posterior (B, K_latent), valid (B,) bool)`` sees the Eq. 7
+    conditional of every batch (LCCN*'s p(outlier) average).
     Returns loss, label_recovery (sampled z == clean where the clean label is known),
     changed (fraction of z that moved), staleness, gamma, step_time, sampler_time,
     sampler_share, sync_time, images_per_s, steps.
@@ -87,12 +86,12 @@ def train_one_epoch(model: nn.Module, batches: Iterable[Any], optimizer: torch.o
             z, stats = labeler.sample(probs, observed, idx)
             tot["sampler"] += time.perf_counter() - t0 - stats.wait
             tot["sync"] += stats.wait
+            if observe is not None:
+                observe(idx, stats.posterior, valid)
             target = z if labeler.cfg.targets != "map" else stats.posterior.argmax(1)
             target = target.to(dev, non_blocking=True)
             stage.put(z)  # to the host for the commit, without waiting for it here
             acc["changed"] += stats.changed
-            if on_posterior is not None:
-                on_posterior(idx[valid], stats.posterior[valid.to(stats.posterior.device)])
             tot["staleness"] += stats.staleness
             tot["gamma"] = stats.gamma
         else:

@@ -34,7 +34,10 @@ The ``spec`` form accepted by :func:`make_view` (what Ray Tune and the jobs pass
         (instance-dependent, Xia et al. 2020; needs the images as features=)
 
 and any of them may carry ``"trusted": {"fraction": 0.1, "seed": 0, "per_class": True}``
-(or ``"count"``; optional ``"include_ood": True``) to mark an LCCN+ trusted subset.
+(or ``"count"``; optional ``"include_ood": True``; ``"outliers": 500`` adds that many
+labelled out-of-distribution samples to a count of in-distribution ones) to mark an LCCN+
+trusted subset, or ``"trusted": {"keys": "clean_train_key_list.txt"}``: the samples whose
+dataset key is listed (Clothing1M's clean-train list).
 """
 
 from __future__ import annotations
@@ -525,7 +528,7 @@ def write_csv(path: str | os.PathLike, keys: Sequence[str], labels: Any) -> Path
 
 def trusted_subset(view: LabelView, fraction: float | None = None, *, seed: int,
                    count: int | None = None, per_class: bool = True,
-                   include_ood: bool = True) -> LabelView:
+                   include_ood: bool = True, outliers: int | None = None) -> LabelView:
     """Mark a subset of the samples with a known clean label as trusted (LCCN+).
 
     Exactly one of ``fraction`` (of the samples with a known clean label) or ``count``.
@@ -534,10 +537,15 @@ def trusted_subset(view: LabelView, fraction: float | None = None, *, seed: int,
     (the outlier class is its own stratum): each class gets its proportional share,
     rounded by largest remainder so the total is exact. The new mask replaces
     ``view.trusted``; the spec gains ``"trusted": {...}``.
+
+    ``outliers``: the paper's semi-supervised open-set setting (5,000 clean samples and
+    500 labelled outliers on CIFAR): ``fraction``/``count`` then pick among the
+    in-distribution samples only and, independently, exactly ``outliers`` of the
+    out-of-distribution samples (``clean == K``) are trusted too.
     """
     k = view.num_classes
     cand_mask = view.clean >= 0
-    if not include_ood:
+    if not include_ood or outliers is not None:
         cand_mask &= view.clean < k
     cand = np.flatnonzero(cand_mask)
     if (fraction is None) == (count is None):
@@ -573,9 +581,57 @@ def trusted_subset(view: LabelView, fraction: float | None = None, *, seed: int,
         tspec["fraction"] = float(fraction)
     else:
         tspec["count"] = m
+    if outliers is not None:
+        if isinstance(outliers, bool) or not isinstance(outliers, (int, np.integer)) \
+                or outliers < 0:
+            raise ValueError(f"trusted outliers must be a non-negative int, got {outliers!r}")
+        ood = np.flatnonzero(view.clean == k)
+        if outliers > ood.size:
+            raise ValueError(f"trusted outliers {outliers} exceeds the {ood.size} "
+                             f"out-of-distribution samples of the view")
+        pick = _rng(seed, "trusted_outliers").choice(ood, size=int(outliers), replace=False)
+        trusted[pick] = True
+        tspec["outliers"] = int(outliers)
     spec = {**view.spec, "trusted": tspec}
     return LabelView(observed=view.observed, clean=view.clean, num_classes=k, trusted=trusted,
                      ood=view.ood, transition=view.transition, spec=spec)
+
+
+def read_key_list(path: str | os.PathLike) -> list[str]:
+    """The keys of a key-list file, one per line (e.g. Clothing1M's
+    ``clean_train_key_list.txt``; surrounding blanks and empty lines ignored)."""
+    p = Path(path)
+    try:
+        lines = p.read_text().splitlines()
+    except OSError as e:
+        raise ValueError(f"trusted key list {p}: cannot read it ({e})") from None
+    keys = [line.strip() for line in lines if line.strip()]
+    if not keys:
+        raise ValueError(f"trusted key list {p}: no key in it")
+    return keys
+
+
+def trusted_by_keys(view: LabelView, keys: Sequence[str], path: str | os.PathLike,
+                    *, listed: Sequence[str] | None = None) -> LabelView:
+    """Mark as trusted the samples whose key (``keys[idx]``) is in the key list at
+    ``path`` (or ``listed``) and whose clean label is known: Clothing1M's LCCN+ takes its
+    trusted set from ``clean_train_key_list.txt``, over the noisy training split whose
+    ``clean`` field carries the clean label of every annotated image. A listed key that is
+    not in the split is ignored (the clean-train list also names images outside the noisy
+    split); a listed sample without a clean label is an error naming it. The spec gains
+    ``"trusted": {"keys": path}``."""
+    if len(keys) != len(view):
+        raise ValueError(f"{len(keys)} keys for a view of {len(view)} samples")
+    wanted = set(read_key_list(path) if listed is None else listed)
+    hit = np.fromiter((key in wanted for key in keys), bool, count=len(keys))
+    unknown = np.flatnonzero(hit & (view.clean < 0))
+    if unknown.size:
+        i = int(unknown[0])
+        raise ValueError(f"trusted key list {path}: {unknown.size} listed samples have no "
+                         f"clean label in the view (first: idx {i}, key {keys[i]!r})")
+    spec = {**view.spec, "trusted": {"keys": str(path)}}
+    return LabelView(observed=view.observed, clean=view.clean, num_classes=view.num_classes,
+                     trusted=hit, ood=view.ood, transition=view.transition, spec=spec)
 
 
 def _with_spec(v: LabelView, spec: dict[str, Any]) -> LabelView:
@@ -655,7 +711,7 @@ _KEYS: dict[str, tuple[set[str], set[str]]] = {  # kind -> (required, optional) 
     "csv": ({"path"}, {"missing", "sha256", "listed"}),
     "instance": ({"rate", "seed"}, {"norm_std"}),
 }
-_TRUSTED_KEYS = ({"seed"}, {"fraction", "count", "per_class", "include_ood"})
+_TRUSTED_KEYS = ({"seed"}, {"fraction", "count", "per_class", "include_ood", "outliers"})
 
 
 def _check_keys(d: Mapping[str, Any], required: set[str], optional: set[str], what: str) -> None:
@@ -707,11 +763,17 @@ def make_view(spec: Mapping[str, Any], clean: Any, num_classes: int, *,
     if trusted is not None:
         if not isinstance(trusted, Mapping):
             raise ValueError(f"spec 'trusted' must be a dict, got {trusted!r}")
+        if "keys" in trusted:
+            _check_keys(trusted, {"keys"}, set(), "spec 'trusted'")
+            if keys is None:
+                raise ValueError("spec 'trusted' with 'keys' needs keys= (the key of each idx)")
+            return trusted_by_keys(view, keys, trusted["keys"])
         _check_keys(trusted, *_TRUSTED_KEYS, "spec 'trusted'")
         view = trusted_subset(
             view, trusted.get("fraction"), seed=trusted["seed"], count=trusted.get("count"),
             per_class=_flag(trusted, "per_class", True, "spec 'trusted'"),
-            include_ood=_flag(trusted, "include_ood", True, "spec 'trusted'"))
+            include_ood=_flag(trusted, "include_ood", True, "spec 'trusted'"),
+            outliers=trusted.get("outliers"))
     return view
 
 

@@ -247,6 +247,7 @@ def train_loop_per_worker(config: dict) -> None:
     run = from_dict(RunConfig, config["run"])
     dist = DistConfig(**config["dist"])
     view = _writable(ray.get(config["view"]))
+    keys = ray.get(config["keys"]) if config.get("keys") is not None else None
     _quiet_ray_train_reports()
     store = None
     names = config["store"]
@@ -261,7 +262,7 @@ def train_loop_per_worker(config: dict) -> None:
         session.fault = ReportFault(**config["fault"])
     session.progress = {"run_name": dist.run_name, "epochs": run.optim.epochs,
                         "pretrain_epochs": run.optim.pretrain_epochs, "method": run.method}
-    run_worker(run, dist, view, store, session)
+    run_worker(run, dist, view, store, session, keys=keys)
 
 
 def release_orphaned_placement_groups() -> list[str]:
@@ -385,14 +386,18 @@ def fit_distributed(run: RunConfig, dist: DistConfig, view: LabelView, *,
                     max_failures: int = 1, threads_per_worker: int | None = None,
                     cpus_per_worker: float = 1.0,
                     fault: dict[str, Any] | None = None,
-                    callbacks: list[Any] | None = None) -> dict[str, Any]:
+                    callbacks: list[Any] | None = None,
+                    sample_keys: Any = None) -> dict[str, Any]:
     """Run (or resume) ``dist.run_name`` on the Ray cluster this process is connected to
     (:func:`init_ray` first if it is not).
 
     Returns ``{"metrics": rank 0's last reported metrics, "checkpoint": path of the final
     checkpoint, "state": its state dict, "phi": (K_latent, K) float64 learned transition
     (None for CE; with one chain per network the first network's, and "phis" all of
-    them), "store": the final StoreActor stats (the first chain's)}``. Raises
+    them), "store": the final StoreActor stats (the first chain's), "files": the method's
+    end-of-run files found in the final checkpoint, ``{name: text}`` (LCCN*:
+    ``outliers.csv``)}``. ``sample_keys``: the key of each idx of the training split (the
+    ``key`` column of those files; empty without). Raises
     ``ray.train.TrainingFailedError`` when the run fails more than ``max_failures`` times.
     ``fault``: tests only, ``{"rank", "report", "marker"}`` of a :class:`ReportFault`.
     ``callbacks``: Ray Train ``UserCallback`` objects for the trainer's RunConfig (a sweep
@@ -429,7 +434,8 @@ def fit_distributed(run: RunConfig, dist: DistConfig, view: LabelView, *,
     threads = threads_per_worker or max(1, int(cpus_per_worker))
     config = {"run": asdict(run), "dist": asdict(dist), "view": ray.put(view), "store": name,
               "namespace": ray.get_runtime_context().namespace, "threads": threads,
-              "fault": fault}
+              "fault": fault,
+              "keys": None if sample_keys is None else ray.put(list(sample_keys))}
     trainer = TorchTrainer(
         train_loop_per_worker, train_loop_config=config,
         scaling_config=ray.train.ScalingConfig(
@@ -452,10 +458,15 @@ def fit_distributed(run: RunConfig, dist: DistConfig, view: LabelView, *,
             print(f"removed {len(pruned)} checkpoint folder(s) Ray Train did not register: "
                   f"{', '.join(pruned)}", flush=True)
     out: dict[str, Any] = {"metrics": result.metrics, "checkpoint": None, "state": None,
-                           "phi": None, "store": store_stats}
+                           "phi": None, "store": store_stats, "files": {}}
     if result.checkpoint is not None:
+        from pipeline.methods.lccn import OUTLIERS_FILE
+
         with result.checkpoint.as_directory() as d:
             state = load_state(d)
+            for name in (OUTLIERS_FILE,):
+                if (Path(d) / name).is_file():
+                    out["files"][name] = (Path(d) / name).read_text()
         out["checkpoint"] = result.checkpoint.path
         out["state"] = state
         if state["store"] is not None:

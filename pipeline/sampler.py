@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -145,6 +146,120 @@ def gibbs_draw(probs: Tensor, observed: Tensor, z_old: Tensor, counts: Tensor, a
     z_new = torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(1).clamp_max(post.shape[1] - 1)
     changed = (z_new != z_old).to(torch.float32).mean()
     return post, z_new, changed
+
+
+HOST_MAX_LATENT = 64
+"""Largest ``K_latent`` the host kernel takes: it computes one ``log`` and one ``exp`` per
+entry in scalar code, which beats torch's vectorised ones only while the batch is small
+(the fixed cost of each torch call dominates up to about this size on one core)."""
+
+try:  # the CPU fast path of the labeler: one compiled call per batch
+    import numba
+except ImportError:  # an accelerator image without it: the torch path serves
+    numba = None
+
+
+def _draw_kernel(probs, observed, z_old, counts, alpha, u, gamma, phi, counted, post, z_new):
+    """Eq. 7 and the inverse-CDF draw for each row, in the order of :func:`gibbs_posterior`
+    and :func:`sample_categorical`. ``phi`` (0, 0) = no warm-up transition; ``counted``
+    of length 0 = every sample counted. Writes ``post`` and ``z_new``; returns how many
+    labels moved, or -1 (observed) / -2 (z_old) on an out-of-range label."""
+    m, k_latent = probs.shape
+    k = counts.shape[1]
+    use_phi = phi.shape[0] > 0
+    a_sum = 0.0
+    for j in range(k):
+        a_sum += alpha[j]
+    den_row = np.empty(k_latent)
+    for r in range(k_latent):
+        c = 0
+        for j in range(k):
+            c += counts[r, j]
+        den_row[r] = c + a_sum
+    moved = 0
+    for i in range(m):
+        j = observed[i]
+        zo = z_old[i]
+        if j < 0 or j >= k:
+            return -1
+        if zo < 0 or zo >= k_latent:
+            return -2
+        own = 1.0 if counted.shape[0] == 0 or counted[i] else 0.0
+        top = -np.inf
+        for r in range(k_latent):
+            if use_phi:
+                cond = phi[r, j]
+            else:
+                num = counts[r, j] + alpha[j]
+                den = den_row[r]
+                if r == zo:
+                    num -= own
+                    den -= own
+                cond = num / den
+            lp = (math.log(max(probs[i, r], 1e-30)) + math.log(cond)) * gamma
+            post[i, r] = lp
+            top = max(top, lp)
+        total = 0.0
+        for r in range(k_latent):
+            e = math.exp(post[i, r] - top)
+            post[i, r] = e
+            total += e
+        last = 0.0
+        for r in range(k_latent):
+            post[i, r] /= total
+            last += post[i, r]
+        v = u[i] * last
+        cdf = 0.0
+        z = k_latent - 1
+        for r in range(k_latent):
+            cdf += post[i, r]
+            if cdf >= v:
+                z = r
+                break
+        z_new[i] = z
+        moved += z != zo
+    return moved
+
+
+if numba is not None:
+    _draw_kernel = numba.njit(cache=True, nogil=True)(_draw_kernel)
+
+_NO_PHI = np.zeros((0, 0))
+_ALL_COUNTED = np.zeros(0, dtype=np.bool_)
+
+
+def gibbs_draw_host(probs: np.ndarray, observed: np.ndarray, z_old: np.ndarray,
+                    counts: np.ndarray, alpha: np.ndarray, u: np.ndarray, *, gamma: float = 1.0,
+                    phi: np.ndarray | None = None, counted: np.ndarray | None = None
+                    ) -> tuple[np.ndarray, np.ndarray, int]:
+    """One Gibbs step on host arrays in one compiled call (numba): the labeler's CPU path.
+
+    A step on a small CPU model pays a fixed cost per array call (cold caches right after
+    the backward pass, 15-40 µs each), not for arithmetic, so the ~30 calls of
+    :func:`gibbs_posterior` + :func:`sample_categorical` become one. The same arithmetic,
+    with the uniforms ``u (M,)`` float64 drawn by the caller from the same generator stream;
+    the posterior agrees with :func:`gibbs_posterior` to rounding (libm's ``exp``/``log``
+    against torch's), so a draw can differ only when a uniform lands within an ulp of a
+    CDF boundary. Labels are range-checked.
+
+    probs (M, K_latent) float; observed, z_old (M,) int64; counts (K_latent, K) int64; alpha
+    (K,) float64 validated by the caller (> 0, finite); phi (K_latent, K) float64 warm-up
+    transition; counted (M,) bool. Returns the posterior ``(M, K_latent)`` float64,
+    ``z_new (M,)`` int64 and the number of labels that moved.
+    """
+    if numba is None:
+        raise RuntimeError("gibbs_draw_host needs numba (pip install numba)")
+    m, k_latent = probs.shape
+    post = np.empty((m, k_latent))
+    z_new = np.empty(m, dtype=np.int64)
+    moved = _draw_kernel(probs, observed, z_old, counts, alpha, u, float(gamma),
+                         _NO_PHI if phi is None else phi,
+                         _ALL_COUNTED if counted is None else counted, post, z_new)
+    if moved == -1:
+        check_range("observed labels", torch.from_numpy(observed), counts.shape[1])
+    if moved == -2:
+        check_range("z_old", torch.from_numpy(z_old), k_latent)
+    return post, z_new, int(moved)
 
 
 def sample_categorical(p: Tensor, *, generator: torch.Generator) -> Tensor:

@@ -16,6 +16,7 @@ Artifacts of a run::
     transitions/phi_epoch_NNN.png   learned phi per epoch (and the truth beside it)
     curves.png                      accuracy / recovery / transition-error curves
     transition.csv                  final phi, header row/col of class names
+    outliers.csv                    LCCN*: per-sample p(outlier) and flag (the method's file)
     checkpoint/...                  the checkpoint directory, as is
 
 Conventions: ``phi[k, j] = P(observed = j | latent = k)``; rows sum to 1; shape
@@ -310,6 +311,11 @@ class Tracker:
             if any(finite(r.get(key)) for r in rows):
                 drawn.append(key)
         return rows, drawn
+
+    def log_file(self, path: str | os.PathLike, *, artifact_path: str | None = None) -> None:
+        """One file as an artifact of the run (e.g. LCCN*'s ``outliers.csv``)."""
+        self._need_run()
+        self.client.log_artifact(self.run_id, str(path), artifact_path=artifact_path)
 
     def log_final(self, phi, *, checkpoint_dir: str | os.PathLike | None = None,
                   class_names: Sequence[str] | None = None) -> None:

@@ -5,7 +5,7 @@ with the Gibbs chain's store in this process. The method (``RunConfig.method``, 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from pipeline.config import RunConfig
 from pipeline.confusion_store import ConfusionStore
 from pipeline.engine import (ChainSet, Engine, EngineOptions, LocalChain, ProcessSession,
-                             Session, TensorSource, select_epoch, transition_error)
+                             Session, TensorSource, Tracking, select_epoch, transition_error)
 from pipeline.labels import LabelView, holdout_split
 from pipeline.lccn import GibbsLabeler
 from pipeline.monitor import CollapseMonitor, chain_health
@@ -109,8 +109,25 @@ class TensorData:
                                  *labels)
 
 
-__all__ = ["Batch", "LocalTrainer", "TensorData", "ViewsBatch", "select_epoch",
-           "transition_error"]
+def open_set_images(images: Tensor, view: LabelView) -> Tensor:
+    """``images (N, C, H, W)`` as the shard loader shows them under an open-set ``view``:
+    each ``view.ood`` sample's pixels permuted by :func:`pipeline.noise.shuffle_pixels`
+    (seed ``view.spec["pixel_seed"]``, as :mod:`pipeline.data` does at read time); a new
+    tensor, the others unchanged."""
+    from pipeline.noise import shuffle_pixels
+
+    if images.shape[0] != len(view):
+        raise ValueError(f"{images.shape[0]} images but a label view of {len(view)} samples")
+    out = images.clone()
+    seed = int(view.spec.get("pixel_seed", view.spec.get("seed", 0)))
+    for i in np.flatnonzero(view.ood):
+        hwc = out[i].permute(1, 2, 0).cpu().numpy()
+        out[i] = torch.from_numpy(shuffle_pixels(hwc, idx=int(i), seed=seed)).permute(2, 0, 1)
+    return out
+
+
+__all__ = ["Batch", "LocalTrainer", "TensorData", "ViewsBatch", "open_set_images",
+           "select_epoch", "transition_error"]
 
 
 class LocalTrainer:
@@ -132,10 +149,17 @@ class LocalTrainer:
     session: by default a :class:`~pipeline.engine.ProcessSession` (no checkpoints); a
     ``pipeline.dist_worker.LocalSession`` writes a checkpoint at every epoch end (with the
     generator's state) and a new trainer on the same session resumes from the newest.
+
+    out_dir: where the method's end-of-run files go (LCCN*: ``outliers.csv``, whose idx
+    are ``train``'s, validation split included in the numbering, and whose keys are
+    ``keys[idx]`` when given); tracking: an MLflow run for the metrics and those files
+    (:class:`~pipeline.engine.Tracking`).
     """
 
     def __init__(self, cfg: RunConfig, train: TensorData, test: TensorData, *,
-                 device: str = "cpu", session: Session | None = None) -> None:
+                 device: str = "cpu", session: Session | None = None,
+                 out_dir: str | None = None, keys: Sequence[str] | None = None,
+                 tracking: Tracking | None = None) -> None:
         k = train.labels.num_classes
         if test.labels.num_classes != k:
             raise ValueError(f"train has {k} classes but test has {test.labels.num_classes}")
@@ -166,7 +190,10 @@ class LocalTrainer:
             chain = chains[0] if len(chains) == 1 else ChainSet(chains)
         self.engine = Engine(cfg, session or ProcessSession(device), data, chain=chain,
                              options=EngineOptions(run_name="local", mixed_precision=True,
-                                                   raise_on_collapse=True))
+                                                   raise_on_collapse=True,
+                                                   out_dir=None if out_dir is None else str(out_dir),
+                                                   sample_idx=self.train_rows,
+                                                   sample_keys=keys, tracking=tracking))
         self.k_latent = self.engine.k_latent
 
     # -- the engine's state, under the names callers use ---------------------------------------

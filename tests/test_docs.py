@@ -107,6 +107,23 @@ def test_readme_says_how_to_use_the_venv_and_the_converters():
         assert phrase in text, phrase
 
 
+def test_presets_table_is_the_code():
+    """The "Presets" table of docs/methods.md is the jobs' recipes, rendered
+    (``jobs/common.py``: ``presets_table``); rebuild it with that function after a change."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "jobs"))
+    import common
+
+    text = (REPO / "docs" / "methods.md").read_text()
+    m = re.search(r"<!-- presets:start -->\n(.*?)<!-- presets:end -->", text, flags=re.S)
+    assert m, "docs/methods.md has no presets table between its markers"
+    assert m.group(1) == common.presets_table()
+    for (dataset, method), r in common.METHOD_PRESETS.items():  # every recipe in a row
+        assert f"| {dataset} | {method} | {r.model}" in m.group(1), (dataset, method)
+    assert "docs/methods.md#presets" in (REPO / "README.md").read_text()
+
+
 # -- the user guide: every command it shows is accepted by the program it names -----------
 
 USER_PAGES = ["README.md", "docs/guide.md", "docs/label-issues.md"]

@@ -76,6 +76,43 @@ def test_webvision_job_runs_divide_lccn_with_dividemix_web_settings():
     assert run.method == "lccn" and run.divide.mixmatch_alpha == 4.0  # DivideMix's CIFAR
 
 
+@pytest.mark.parametrize("module, dataset, extra", [
+    (cifar_lccn, "cifar10", []), (cifar_lccn, "cifar100", ["--dataset", "cifar100"]),
+    (clothing1m_lccn, "clothing1m", []), (webvision_divide_lccn, "webvision", [])])
+def test_every_method_runs_its_recipe_from_the_presets_table(module, dataset, extra):
+    """The configs a job builds for each --method are the recipe of docs/methods.md's
+    presets table (common.recipe): DivideMix's own schedule for dividemix/divide_lccn
+    where it has one, the dataset's for the rest; an option on the command line wins."""
+    from pipeline.config import METHODS
+
+    for method in METHODS:
+        args, run = _configs(module, ["--data", "/x", "--method", method, *extra])
+        r = common.recipe(dataset, method)
+        o, d = run.optim, run.divide
+        assert (run.model.name, o.epochs, o.pretrain_epochs, o.batch_size, o.lr,
+                o.milestones, o.weight_decay) == (r.model, r.epochs, r.pretrain_epochs,
+                                                  r.batch_size, r.lr, r.milestones,
+                                                  r.weight_decay), (dataset, method)
+        assert tuple(args.lr_values) == r.lr_values and args.pretrained == r.pretrained
+        assert (run.lccn.alpha, run.lccn.warmup_steps, run.lccn.warmup, run.lccn.anneal) == \
+            (r.alpha, r.warmup_steps, r.warmup, r.anneal)
+        assert (d.mixmatch_alpha, d.lambda_u, d.p_threshold, d.temperature, d.conf_penalty) == \
+            (r.mixmatch_alpha, r.lambda_u, r.p_threshold, r.temperature, r.conf_penalty)
+    if dataset.startswith("cifar"):
+        _, run = _configs(module, ["--data", "/x", "--method", "dividemix", *extra])
+        assert (run.model.name, run.optim.epochs, run.optim.batch_size) == \
+            ("preact_resnet18", 300, 64)
+        _, run = _configs(module, ["--data", "/x", "--method", "dividemix", "--epochs", "70",
+                                   "--lambda-u", "0", *extra])
+        assert run.optim.epochs == 70 and run.divide.lambda_u == 0 and run.optim.lr == 0.02
+    if dataset == "clothing1m":
+        _, run = _configs(module, ["--data", "/x", "--method", "dividemix"])
+        assert run.divide.conf_penalty and run.optim.epochs == 80
+        _, run = _configs(module, ["--data", "/x", "--method", "dividemix",
+                                   "--no-conf-penalty"])
+        assert not run.divide.conf_penalty
+
+
 def test_lr_values_become_the_phase_learning_rates(tmp_path):
     """--lr-values 0.5 0.1 0.01 with milestones 40 80 gives exactly those rates."""
     import torch
@@ -115,6 +152,52 @@ def test_smoke_shards_and_views(tmp_path):
                                           shard_size=28, noisy_web_labels=True)
     view = build_view(tr, {"kind": "dataset"})
     assert (view.clean == -1).sum() == 28 and view.noise_rate() > 0
+
+
+def test_cifar_trusted_clean_samples_and_labelled_outliers_from_flags(tmp_path):
+    """--trusted N --trusted-outliers M (the paper: 5,000 and 500) build the LCCN*+ view:
+    N in-distribution samples and M pixel-shuffled ones trusted, LCCN+ and LCCN* on."""
+    spec = '{"kind": "open_set", "count": 40, "seed": 0}'
+    args = cifar_lccn.get_args_parser().parse_args(
+        ["--smoke-test", "--run-dir", str(tmp_path), "--noise", spec, "--outlier",
+         "--trusted", "30", "--trusted-outliers", "6"])
+    jr = cifar_lccn.prepare_run(args)
+    v = jr.view
+    assert int((v.trusted & ~v.ood).sum()) == 30 and int((v.trusted & v.ood).sum()) == 6
+    assert v.spec["trusted"] == {"count": 30, "outliers": 6, "seed": 0, "per_class": True,
+                                 "include_ood": True}
+    assert jr.run.lccn.use_trusted and jr.run.lccn.outlier
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--trusted-outliers", "5"], "--trusted-outliers needs --outlier"),
+    (["--trusted", "5", "--trusted-fraction", "0.1"], "one way of choosing the trusted set"),
+    (["--trusted-keys", "/nonexistent/list.txt"], "no such file"),
+])
+def test_bad_trusted_flags_give_one_clear_line(tmp_path, argv, match):
+    args = cifar_lccn.get_args_parser().parse_args(["--smoke-test", "--run-dir",
+                                                    str(tmp_path), *argv])
+    with pytest.raises(SystemExit, match=match):
+        cifar_lccn.prepare_run(args)
+
+
+def test_clothing1m_trusted_set_from_the_clean_train_key_list(tmp_path):
+    """--trusted-keys clean_train_key_list.txt: the noisy-train samples listed there (with
+    their clean label known) are trusted; the smoke split's keys stand in for the list."""
+    from shards.labelview import read_split_labels
+
+    args = clothing1m_lccn.get_args_parser().parse_args(["--smoke-test", "--run-dir",
+                                                         str(tmp_path)])
+    jr = clothing1m_lccn.prepare_run(args)  # writes the smoke shards
+    labels = read_split_labels(jr.dist.train_source)
+    known = np.flatnonzero(labels["clean"] >= 0)
+    listed = tmp_path / "clean_train_key_list.txt"
+    listed.write_text("\n".join([labels["key"][i] for i in known[::3]] + ["images/not/here.jpg"]))
+    args = clothing1m_lccn.get_args_parser().parse_args(
+        ["--smoke-test", "--run-dir", str(tmp_path), "--trusted-keys", str(listed)])
+    jr = clothing1m_lccn.prepare_run(args)
+    assert np.flatnonzero(jr.view.trusted).tolist() == known[::3].tolist()
+    assert jr.run.lccn.use_trusted and not jr.run.lccn.outlier
 
 
 def test_quickstart_says_what_the_noise_rate_means(tmp_path):

@@ -371,6 +371,44 @@ def test_trusted_subset_only_among_known_clean(tmp_path):
         nz.trusted_subset(v, 0.5, count=3, seed=0)
 
 
+def test_trusted_clean_samples_and_labelled_outliers_as_in_the_paper(clean10):
+    """The paper's semi-supervised open-set setting: 5,000 clean samples and 500 labelled
+    outliers, counted separately (a plain count would split by stratum instead)."""
+    spec = {"kind": "open_set", "count": 10_000, "seed": 0,
+            "trusted": {"count": 5_000, "outliers": 500, "seed": 0}}
+    v = nz.make_view(spec, clean10, 10)
+    assert int((v.trusted & ~v.ood).sum()) == 5_000 and int((v.trusted & v.ood).sum()) == 500
+    assert (v.clean[v.trusted & v.ood] == 10).all()
+    got = np.bincount(v.clean[v.trusted & ~v.ood], minlength=10)
+    n_k = np.bincount(v.clean[~v.ood], minlength=10)
+    assert (np.abs(got - 5_000 * n_k / n_k.sum()) < 1).all()  # stratified by class
+    again = nz.make_view(json.loads(json.dumps(v.spec)), clean10, 10)
+    assert np.array_equal(again.trusted, v.trusted) and again.spec == v.spec
+    with pytest.raises(ValueError, match="trusted outliers 10001 exceeds the 10000"):
+        nz.make_view({**spec, "trusted": {"count": 0, "outliers": 10_001, "seed": 0}},
+                     clean10, 10)
+
+
+def test_trusted_by_key_list(tmp_path):
+    """Clothing1M's LCCN+: the samples whose key is in the clean-train list are trusted;
+    listed keys outside the split are ignored, a listed sample without a clean label is an
+    error naming it."""
+    keys = [f"images/0/{i:02d}/x{i}.jpg" for i in range(8)]
+    clean = np.array([3, -1, 0, 1, -1, 2, 2, -1])
+    v = LabelView(observed=np.array([3, 1, 1, 1, 0, 2, 0, 2]), clean=clean, num_classes=4)
+    listed = tmp_path / "clean_train_key_list.txt"
+    listed.write_text("\n".join([keys[0], keys[3], keys[6], "images/9/99/elsewhere.jpg"]))
+    t = nz.make_view({"kind": "dataset", "trusted": {"keys": str(listed)}}, clean, 4,
+                     keys=keys, observed=v.observed)
+    assert np.flatnonzero(t.trusted).tolist() == [0, 3, 6]
+    assert t.spec["trusted"] == {"keys": str(listed)}
+    listed.write_text(keys[1])  # no clean label
+    with pytest.raises(ValueError, match=r"idx 1, key 'images/0/01/x1.jpg'"):
+        nz.trusted_by_keys(v, keys, listed)
+    with pytest.raises(ValueError, match="needs keys="):
+        nz.make_view({"kind": "clean", "trusted": {"keys": str(listed)}}, np.zeros(8, int), 4)
+
+
 # -- seeds, specs, make_view -----------------------------------------------------------------
 
 

@@ -182,3 +182,89 @@ def test_compiled_device_core_draws_from_eq7():
                       as_alpha(1.0, 4), torch.tensor(1.0, dtype=torch.float64), u)
     torch.testing.assert_close(post[:4], p, rtol=1e-9, atol=1e-12)
     assert_draws_follow(z, p, reps)
+
+
+# -- the host kernel (gibbs_draw_host): what a CPU worker's labeler runs --------------------
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.6])
+@pytest.mark.parametrize("warm", [False, True])
+@pytest.mark.parametrize("k_latent", [5, 6])
+def test_host_kernel_is_the_eager_step(gamma, warm, k_latent):
+    """gibbs_draw_host with the uniforms sample_categorical would draw gives the eager
+    posterior to rounding and the same labels, with counted masks and the warm-up phi."""
+    from pipeline.confusion import as_alpha
+    from pipeline.sampler import gibbs_draw_host
+
+    gen = torch.Generator().manual_seed(4)
+    probs, observed, z_old, counts = random_state(gen, m=64, k=5, k_latent=k_latent)
+    probs = probs.float()  # what the labeler takes from a model
+    counted = torch.rand(64, generator=gen) > 0.2
+    phi = (torch.softmax(torch.randn(k_latent, 5, generator=gen, dtype=torch.float64), 1)
+           if warm else None)
+    alpha = as_alpha([0.5, 1.0, 2.0, 0.1, 3.0], 5)
+    u = torch.rand(64, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    post, z, moved = gibbs_draw_host(probs.numpy(), observed.numpy(), z_old.numpy(),
+                                     counts.numpy(), alpha.numpy(), u.numpy(), gamma=gamma,
+                                     phi=None if phi is None else phi.numpy(),
+                                     counted=counted.numpy())
+    ref = gibbs_posterior(probs, observed, z_old, counts, alpha, gamma=gamma, phi=phi,
+                          counted=counted)
+    torch.testing.assert_close(torch.from_numpy(post), ref, rtol=1e-12, atol=1e-14)
+    want = sample_categorical(ref, generator=torch.Generator().manual_seed(9))
+    assert torch.equal(torch.from_numpy(z), want)
+    assert moved == int((want != z_old).sum())
+
+
+def test_host_kernel_draws_from_eq7_and_names_bad_labels():
+    from pipeline.confusion import as_alpha
+    from pipeline.sampler import gibbs_draw_host
+
+    gen = torch.Generator().manual_seed(2)
+    probs, observed, z_old, counts = random_state(gen, m=4, k=4)
+    p = oracle_posterior(probs, observed, z_old, counts, 1.0)
+    reps = 40_000
+    u = torch.rand(4 * reps, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    a = as_alpha(1.0, 4).numpy()
+    post, z, _ = gibbs_draw_host(probs.repeat(reps, 1).numpy(), observed.repeat(reps).numpy(),
+                                 z_old.repeat(reps).numpy(), counts.numpy(), a, u.numpy())
+    torch.testing.assert_close(torch.from_numpy(post[:4]), p, rtol=1e-10, atol=1e-12)
+    assert_draws_follow(torch.from_numpy(z), p, reps)
+    bad = observed.clone()
+    bad[2] = -1
+    with pytest.raises(ValueError, match=r"observed labels must lie in \[0, 4\), got range \[-1"):
+        gibbs_draw_host(probs.numpy(), bad.numpy(), z_old.numpy(), counts.numpy(), a, u[:4].numpy())
+    bad = z_old.clone()
+    bad[0] = 4
+    with pytest.raises(ValueError, match=r"z_old must lie in \[0, 4\), got range \[\d, 4\]"):
+        gibbs_draw_host(probs.numpy(), observed.numpy(), bad.numpy(), counts.numpy(), a, u[:4].numpy())
+
+
+def test_host_moves_equal_the_tensor_path():
+    """apply_moves_host (the CPU labeler's own moves) leaves C and z as apply_delta_ on the
+    counted, moved samples does, returns those moves, and names a bad index."""
+    from pipeline.confusion import apply_delta_, apply_moves_host, count_matrix
+
+    gen = torch.Generator().manual_seed(7)
+    n, k, k_latent = 200, 4, 5
+    observed = torch.randint(0, k, (n,), generator=gen)
+    z = torch.randint(0, k_latent, (n,), generator=gen)
+    counted = torch.rand(n, generator=gen) > 0.1
+    counts = count_matrix(z, observed, k_latent, k, counted=counted)
+    idx = torch.randperm(n, generator=gen)[:64]
+    z_new = torch.randint(0, k_latent, (64,), generator=gen)
+    c_ref, z_ref = counts.clone(), z.clone()
+    keep = counted[idx]
+    i, zn = idx[keep], z_new[keep]
+    moved = z_ref[i] != zn
+    apply_delta_(c_ref, observed[i][moved], z_ref[i][moved], zn[moved])
+    z_ref[i] = zn
+    obs, old, new = apply_moves_host(counts, z, observed, counted, idx, z_new)
+    assert torch.equal(counts, c_ref) and torch.equal(z, z_ref)
+    assert torch.equal(counts, count_matrix(z, observed, k_latent, k, counted=counted))
+    assert torch.equal(obs, observed[i][moved]) and torch.equal(new, zn[moved])
+    assert apply_moves_host(counts, z, observed, counted, idx, z[idx]) is None
+    with pytest.raises(ValueError, match=r"sample index 200 outside \[0, 200\)"):
+        apply_moves_host(counts, z, observed, counted, torch.tensor([3, 200]), torch.tensor([0, 0]))
+    with pytest.raises(ValueError, match=r"latent label 5 outside \[0, 5\)"):
+        apply_moves_host(counts, z, observed, counted, idx[keep][:1], torch.tensor([5]))

@@ -325,6 +325,28 @@ def test_one_worker_samples_the_same_chain_for_any_commit_every():
     assert out[5][3] < out[1][3] / 4  # ~5x fewer calls (plus one pull per epoch)
 
 
+def test_host_kernels_and_the_tensor_path_sample_the_same_chain():
+    """The CPU labeler's compiled host path (Eq. 7 and its own moves in one call each) and
+    the tensor path an accelerator runs draw the same labels and leave the same C, trusted
+    samples included, over three workers and two epochs."""
+    out = {}
+    for host in (True, False):
+        store = _push_store(trusted_every=5)
+        trusted, clean = ~store.counted, store.observed.clone()
+        labelers = _labelers([LocalStoreClient(store) for _ in range(3)], 4, trusted=trusted,
+                             clean=clean)
+        for lab in labelers:
+            assert lab._host  # K = 4 on the CPU with numba installed
+            lab._host = host
+        drawn = store.z.clone()
+        for epoch in range(2):
+            _epoch(labelers, store.observed, epoch, drawn=drawn)
+        store.check()
+        out[host] = (drawn, store.z.clone(), store.counts.clone())
+    for a, b in zip(out[True], out[False]):
+        assert torch.equal(a, b)
+
+
 class _ReplayingClient(LocalStoreClient):
     """Every push is delivered twice (a retry after a lost reply): the caller gets the
     retry's reply, as from a task Ray re-executed."""

@@ -369,6 +369,7 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
     mod = job_module(args.job)
     job_argv = list(args.job_args) + (["--smoke-test"] if args.smoke_test else [])
     probe = mod.get_args_parser().parse_args(job_argv)  # refuses a bad job option now
+    common.resolve_recipe(probe)  # the recipe of the job's dataset and method
     if probe.smoke_test:
         common.apply_smoke(probe)
     if probe.val_fraction <= 0:

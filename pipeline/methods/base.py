@@ -22,6 +22,9 @@ calls the method at fixed points of every epoch::
     epoch_stats()                    extra per-rank row entries
     current_transition()             a chain-free method's transition (MLflow), or None
     state_dict() / load_state_dict() what a checkpoint carries beyond the members
+    final_files()                    rank 0, at the run's last moment: {file name: text}
+                                     written next to the run's outputs, into the final
+                                     checkpoint and to MLflow (LCCN*: outliers.csv)
     evaluate(model, batches)         top1/top5/n over batches with clean labels
 
 Every method runs on every rank; collectives (``engine.session``, ``engine.reduce_cpu``,
@@ -125,6 +128,10 @@ class Method:
         """The transition a method without a chain estimates or learns, ``(K, K)`` (rank 0
         logs it to MLflow as a chain's phi: heat maps, ``transition.csv``); None if none."""
         return None
+
+    def final_files(self) -> dict[str, str]:
+        """Files the method exports at the end of a run, ``{name: text}`` (rank 0)."""
+        return {}
 
     # -- checkpoints ----------------------------------------------------------------------------
 

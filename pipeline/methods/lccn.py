@@ -1,25 +1,104 @@
 """LCCN (Algorithm 3): CE pre-training, then a classifier trained on latent labels drawn
 by a Gibbs chain over the shared confusion counts C. Variants through ``LCCNConfig``:
-LCCN* (``outlier``: K + 1 latent classes) and LCCN+ (``use_trusted``)."""
+LCCN* (``outlier``: K + 1 latent classes; at the end of the run every training sample's
+p(outlier) is exported as ``outliers.csv``) and LCCN+ (``use_trusted``)."""
 
 from __future__ import annotations
 
+import csv
+import io
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from pipeline.confusion import transition
-from pipeline.engine import transition_error
 from pipeline import label_issues
+from pipeline.engine import all_gather_rows, transition_error
 from pipeline.lccn import GibbsLabeler
 from pipeline.loop import predict, train_one_epoch
 from pipeline.methods.base import Method, register
 from pipeline.monitor import CollapseMonitor, chain_health
 from pipeline.warmup import estimate_phi_init, initial_assignment
+
+
+OUTLIERS_FILE = "outliers.csv"
+OUTLIER_COLUMNS = ("idx", "key", "observed", "p_outlier", "flag")
+
+
+class PosteriorMean:
+    """Per-sample mean of ``width`` columns of the Eq. 7 posterior over the draws of a
+    window of epochs, for a run whose samples are spread over ranks.
+
+    Every rank :meth:`add` s the rows of its batches to its *pending* part; :meth:`merge`
+    (a collective: every rank calls it at the same moment) gathers the pending rows of
+    all ranks by idx into rank 0's totals ``sums (N, width)`` float64 and ``draws (N,)``
+    int64. Only rank 0's totals are complete; they are what :meth:`state_dict` carries.
+    """
+
+    def __init__(self, num_samples: int, width: int = 1) -> None:
+        self.sums = torch.zeros(num_samples, width, dtype=torch.float64)
+        self.draws = torch.zeros(num_samples, dtype=torch.int64)
+        self._pending: list[tuple[Tensor, Tensor]] = []
+
+    def add(self, idx: Tensor, values: Tensor) -> None:
+        """idx (B,) int64, values (B, width): one draw's posterior columns per sample."""
+        self._pending.append((idx.detach().cpu().long(),
+                              values.detach().to("cpu", torch.float64).reshape(idx.numel(), -1)))
+
+    def merge(self, session: Any) -> None:
+        """Every rank's pending rows into rank 0's totals (collective)."""
+        width = self.sums.shape[1]
+        if self._pending:
+            rows = torch.cat([torch.cat([i.to(torch.float64).unsqueeze(1), v], 1)
+                              for i, v in self._pending])
+        else:
+            rows = torch.zeros(0, 1 + width, dtype=torch.float64)
+        self._pending = []
+        rows = all_gather_rows(session, rows)
+        if session.rank != 0 or not rows.numel():
+            return
+        idx = rows[:, 0].long()
+        self.sums.index_add_(0, idx, rows[:, 1:])
+        self.draws.index_add_(0, idx, torch.ones_like(idx))
+
+    def mean(self) -> Tensor:
+        """``(N, width)`` float64: the mean over each sample's draws (NaN without any)."""
+        return self.sums / self.draws.unsqueeze(1).to(torch.float64)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        return {"sums": self.sums.clone(), "draws": self.draws.clone()}
+
+    def load_state_dict(self, state: dict[str, Tensor]) -> None:
+        if tuple(state["sums"].shape) != tuple(self.sums.shape):
+            raise ValueError(f"posterior mean state of shape {tuple(state['sums'].shape)}; "
+                             f"this run has {tuple(self.sums.shape)}")
+        self.sums, self.draws = state["sums"].clone(), state["draws"].clone()
+        self._pending = []
+
+
+def outlier_table(p_outlier: Tensor, observed: Tensor, rows: Tensor, *, threshold: float,
+                  split_idx: np.ndarray | None = None,
+                  keys: Sequence[str] | None = None) -> str:
+    """The ``outliers.csv`` text: one line per training sample ``rows (M,)`` (idx of the
+    run's sample space): ``idx`` (the split's idx: ``split_idx[row]`` when the run
+    re-indexed its samples), ``key`` (empty when unknown), ``observed``, ``p_outlier``
+    (empty for a sample never drawn in the window) and ``flag`` (1 when ``p_outlier >
+    threshold``). p_outlier, observed: ``(N,)`` by row."""
+    out = io.StringIO()
+    w = csv.writer(out, lineterminator="\n")
+    w.writerow(OUTLIER_COLUMNS)
+    for r in rows.tolist():
+        p = float(p_outlier[r])
+        idx = int(split_idx[r]) if split_idx is not None else r
+        key = keys[idx] if keys is not None else ""
+        w.writerow((idx, key, int(observed[r]), "" if p != p else f"{p:.6f}",
+                    "" if p != p else int(p > threshold)))
+    return out.getvalue()
 
 
 @register
@@ -37,11 +116,22 @@ class LCCN(Method):
         self.cfg = run.lccn
         data = engine.data
         self.trusted: Tensor | None = data.trusted if self.cfg.use_trusted else None
+        if self.trusted is not None and not self.cfg.outlier:
+            bad = torch.nonzero(self.trusted & (data.clean >= self.num_classes))[:, 0]
+            if bad.numel():
+                raise ValueError(f"{bad.numel()} trusted samples are labelled outliers (clean "
+                                 f"= K = {self.num_classes}; first idx {int(bad[0])}): they "
+                                 f"train on the outlier class, which needs LCCN* "
+                                 f"(LCCNConfig.outlier)")
         self.monitor = CollapseMonitor(run.monitor)
         self.phi_init: Tensor | None = None
         self.lccn_step = 0
         self.labeler: GibbsLabeler | None = None
         self.pretrained_probs: Tensor | None = None
+        # LCCN*: p(outlier) averaged over the last cfg.outlier_epochs epochs' draws
+        self.outlier_mean: PosteriorMean | None = None
+        # the label-issue report: the whole posterior averaged over the last
+        # cfg.report_epochs epochs (pipeline.label_issues)
         self.report = label_issues.accumulator_for(run, engine, k_latent=self.num_outputs())
 
     def num_outputs(self) -> int:
@@ -89,6 +179,13 @@ class LCCN(Method):
             self.labeler.step_count = self.lccn_step
         if hasattr(self.labeler, "max_staleness"):
             self.labeler.max_staleness = 0
+        if self._in_outlier_window(epoch) and self.outlier_mean is None:
+            self.outlier_mean = PosteriorMean(self.engine.data.num_samples, 1)
+
+    def _in_outlier_window(self, epoch: int) -> bool:
+        """LCCN*: whether ``epoch``'s draws count towards the exported p(outlier)."""
+        return (self.cfg.outlier and self.in_noise_phase(epoch)
+                and epoch >= self.run.optim.epochs - self.cfg.outlier_epochs)
 
     def _active(self, epoch: int) -> GibbsLabeler | None:
         return self.labeler if self.in_noise_phase(epoch) else None
@@ -98,10 +195,23 @@ class LCCN(Method):
         m = self.members[0]
         active = self._active(epoch)
         self._epoch = epoch
+        observers = []
+        if self.outlier_mean is not None and active is not None:
+            acc = self.outlier_mean
+            observers.append(lambda idx, post: acc.add(idx, post[:, -1:]))
+        sink = self.report.sink(epoch) if active is not None else None
+        if sink is not None:
+            observers.append(sink)
+
+        def observe(idx: Tensor, posterior: Tensor, valid: Tensor) -> None:
+            idx, posterior = idx[valid], posterior[valid.to(posterior.device)]
+            for fn in observers:
+                fn(idx, posterior)
+
         stats = train_one_epoch(m.train_model, batches, m.optimizer, labeler=active,
                                 trusted=self.trusted, xi=self.cfg.xi, device=self.engine.device,
                                 num_classes=self.num_classes, after_step=after_step,
-                                on_posterior=self.report.sink(epoch) if active else None)
+                                observe=observe if observers else None)
         if self.labeler is not None:
             self.lccn_step = self.labeler.step_count
         if active is not None:
@@ -112,6 +222,8 @@ class LCCN(Method):
         if self.labeler is not None:
             self.labeler.flush()
             self.lccn_step = self.labeler.step_count
+        if self.outlier_mean is not None:  # every rank at every moment: a collective
+            self.outlier_mean.merge(self.engine.session)
 
     def epoch_stats(self) -> dict[str, float]:
         return {"staleness_max": float(getattr(self.labeler, "max_staleness", 0))
@@ -138,13 +250,37 @@ class LCCN(Method):
         out["collapse"] = float(bool(self.monitor.check(health, val, epoch=epoch, stop=stop)))
         return out
 
+    def final_files(self) -> dict[str, str]:
+        """LCCN*: ``outliers.csv`` (:func:`outlier_table`) over every training sample (the
+        noisy validation split left out), from the draws of the last ``outlier_epochs``
+        epochs, all ranks' gathered by idx (rank 0, at the run's last moment)."""
+        if self.outlier_mean is None:
+            return {}
+        eng = self.engine
+        n = eng.data.num_samples
+        train = torch.ones(n, dtype=torch.bool)
+        held_out = getattr(eng.data, "held_out", None)
+        if held_out is not None:
+            train &= ~torch.from_numpy(np.asarray(held_out, bool))
+        opts = eng.options
+        return {OUTLIERS_FILE: outlier_table(
+            self.outlier_mean.mean()[:, 0], eng.data.observed, torch.nonzero(train)[:, 0],
+            threshold=self.cfg.outlier_threshold, split_idx=opts.sample_idx,
+            keys=opts.sample_keys)}
+
     def state_dict(self) -> dict[str, Any]:
         return {"lccn_step": self.lccn_step, "phi_init": self.phi_init,
                 "monitor_val_start": self.monitor.val_start,
+                "outlier_mean": (None if self.outlier_mean is None
+                                 else self.outlier_mean.state_dict()),
                 label_issues.STATE_KEY: self.report.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.lccn_step = int(state.get("lccn_step", 0))
         self.phi_init = state.get("phi_init")
         self.monitor.val_start = float(state.get("monitor_val_start", math.nan))
+        if state.get("outlier_mean") is not None:
+            self.outlier_mean = PosteriorMean(self.engine.data.num_samples, 1)
+            if self.engine.session.rank == 0:  # only rank 0's totals are complete
+                self.outlier_mean.load_state_dict(state["outlier_mean"])
         self.report.load_state_dict(state.get(label_issues.STATE_KEY))
