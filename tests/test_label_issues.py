@@ -212,10 +212,12 @@ def test_a_real_run_ranks_planted_flips_first_beside_cleanlab(tmp_path):
     ev = {(e["split"], e["method"]): e for e in rep["evaluation"]}
     train = ev[("train", "lccn")]
     assert train["issues"] > 100  # the planted flips among the ~1000 counted samples
-    # measured 0.95 (flagged: 0.98 precision, 0.93 recall); chance is ~0.15
-    assert train["r_precision"] >= 0.8
+    # measured with seeds 0, 1, 2: 0.95, 0.94, 0.59 (this run, seed 0: 0.95; flagged
+    # precision 0.87 +- 0.17, recall 0.83 +- 0.11 over the seeds,
+    # benchmarks/results/label_issues.md); chance is the flip rate, ~0.15
+    assert train["r_precision"] >= 0.5
     flagged = next(r for r in train["at"] if r["k"] == "flagged")
-    assert flagged["precision"] >= 0.8 and flagged["recall"] >= 0.7
+    assert flagged["precision"] >= 0.5 and flagged["recall"] >= 0.5
     # cleanlab beside LCCN on the held-out split, from the same final model
     held, cl = ev[("validation", "lccn")], ev[("validation", "cleanlab")]
     assert held["evaluated"] == cl["evaluated"] > 200 and held["issues"] == cl["issues"]
