@@ -300,6 +300,10 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
     m.add_argument("--commit-every", type=int, default=LCCNConfig.commit_every,
                    help="each worker sends its sampled labels to the confusion actor once "
                         "every this many steps (LCCNConfig.commit_every; 1: every step)")
+    m.add_argument("--report-epochs", type=int, default=LCCNConfig.report_epochs,
+                   help="label-issue report: average each training sample's Eq. 7 posterior "
+                        "over the last this many LCCN epochs (0: no report; "
+                        "docs/label-issues.md)")
     m.add_argument("--stop-on-collapse", action="store_true",
                    help="stop the run when the collapse monitor fires (default: warn)")
     m.add_argument("--anneal", action=argparse.BooleanOptionalAction, default=None,
@@ -386,7 +390,8 @@ def run_config(args: argparse.Namespace) -> RunConfig:
                         targets=args.targets, ramp=args.ramp, anneal=anneal,
                         outlier=args.outlier, outlier_prior=getattr(args, "outlier_prior", 0.0),
                         use_trusted=uses_trusted(args),
-                        commit_every=args.commit_every),
+                        commit_every=args.commit_every,
+                        report_epochs=getattr(args, "report_epochs", LCCNConfig.report_epochs)),
         baseline=baseline_config(args),
         monitor=MonitorConfig(stop=args.stop_on_collapse),
         divide=DivideConfig(p_threshold=args.p_threshold, temperature=args.temperature,
@@ -674,6 +679,8 @@ def run_job(args: argparse.Namespace, *, job: str, run: RunConfig, dist: DistCon
         print(f"[{job}] selected epoch {sel['epoch'] + 1} (best noisy-validation accuracy "
               f"{sel['val_top1']:.4f}): clean test accuracy {test}", flush=True)
     summary["metrics"] = measured(metrics)
+    summary["label_issues"] = label_issue_report(state, view=view, dist=dist,
+                                                 run_id=summary["mlflow_run_id"])
     out_dir = Path(dist.run_dir) / "results"
     out_dir.mkdir(parents=True, exist_ok=True)
     summary["files"] = {}
@@ -686,6 +693,31 @@ def run_job(args: argparse.Namespace, *, job: str, run: RunConfig, dist: DistCon
     (out_dir / f"{dist.run_name}.json").write_text(
         json.dumps(json_safe(summary), indent=1, default=str, allow_nan=False))
     return summary
+
+
+def label_issue_report(state: dict[str, Any], *, view: LabelView, dist: DistConfig,
+                       run_id: str | None) -> dict[str, Any] | None:
+    """The run's label-issue report (an LCCN method's run with ``--report-epochs`` > 0):
+    files under ``<run-dir>/label_issues/<run>/``, the same as MLflow artifacts
+    ``label_issues/`` of the run; None for other methods."""
+    from pipeline.label_issues import job_report
+
+    out = Path(dist.run_dir) / "label_issues" / dist.run_name
+    rep = job_report(state, clean=view.clean, train_source=dist.train_source,
+                     class_names=dist.class_names, out_dir=out,
+                     tracking_uri=dist.tracking_uri, run_id=run_id)
+    if rep is not None:
+        flagged = rep["flagged_mislabelled"]
+        lines = [f"label-issue report: {flagged} suspected mislabelled samples"
+                 + ("" if rep["flagged_outliers"] is None else
+                    f", {rep['flagged_outliers']} suspected out of distribution")
+                 + f" in {out}"]
+        for ev in rep["evaluation"]:
+            lines.append(f"  {ev['split']} {ev['kind']} ({ev['issues']} of {ev['evaluated']}): "
+                         f"{ev['method']} precision at {ev['issues']} "
+                         f"{ev['r_precision']:.3f}, flagged {ev['flagged']}")
+        print("\n".join(lines), flush=True)
+    return rep
 
 
 def _flagged(outliers_csv: str) -> str:

@@ -75,6 +75,9 @@ class LCCNConfig:
         with no measurable change in accuracy (benchmarks/results/actor.md, staleness.md);
         keep it well under the steps of an epoch (a distributed worker caps it at a
         quarter of its steps per epoch).
+    report_epochs: the label-issue report (:mod:`pipeline.label_issues`) averages each
+        training sample's Eq. 7 posterior over the run's last this many LCCN epochs
+        (0: off; memory N x K_latent floats per worker).
     """
 
     alpha: float | tuple[float, ...] = 1.0
@@ -96,6 +99,7 @@ class LCCNConfig:
     outlier_threshold: float = 0.5
     use_trusted: bool = False
     commit_every: int = 8
+    report_epochs: int = 5
 
     def __post_init__(self) -> None:
         alphas = self.alpha if isinstance(self.alpha, (tuple, list)) else (self.alpha,)
@@ -133,6 +137,9 @@ class LCCNConfig:
         if isinstance(self.commit_every, bool) or not isinstance(self.commit_every, int) \
                 or self.commit_every < 1:
             raise ValueError(f"commit_every must be an integer >= 1, got {self.commit_every!r}")
+        if isinstance(self.report_epochs, bool) or not isinstance(self.report_epochs, int) \
+                or self.report_epochs < 0:
+            raise ValueError(f"report_epochs must be an integer >= 0, got {self.report_epochs!r}")
 
 
 @dataclass(frozen=True)

@@ -122,3 +122,95 @@ def test_presets_table_is_the_code():
     for (dataset, method), r in common.METHOD_PRESETS.items():  # every recipe in a row
         assert f"| {dataset} | {method} | {r.model}" in m.group(1), (dataset, method)
     assert "docs/methods.md#presets" in (REPO / "README.md").read_text()
+
+
+# -- the user guide: every command it shows is accepted by the program it names -----------
+
+USER_PAGES = ["README.md", "docs/guide.md", "docs/label-issues.md"]
+
+
+def _shell_commands(text: str) -> list[list[str]]:
+    """Commands of the ```bash blocks (continuations joined, comments and leading
+    ``VAR=value`` assignments dropped; ``ray job submit ... -- CMD`` gives CMD) and the
+    inline ``python benchmarks/...`` / ``bash ...`` commands in backticks."""
+    import shlex
+
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        joined = re.sub(r"\\\n\s*", " ", block)
+        lines += [ln.split(" #")[0].strip() for ln in joined.splitlines()]
+    lines += re.findall(r"`((?:python|bash) (?:benchmarks|scripts)/[^`]+)`", text)
+    out = []
+    for line in lines:
+        if not line or line.startswith("#"):
+            continue
+        argv = shlex.split(line)
+        while argv and re.match(r"^[A-Z_][A-Z0-9_]*=", argv[0]):
+            argv = argv[1:]
+        if argv[:3] == ["ray", "job", "submit"] and "--" in argv:
+            argv = argv[argv.index("--") + 1:]
+        out.append(argv)
+    return out
+
+
+def _check_command(argv: list[str]) -> bool:
+    """Parse ``argv`` with the parser of the project program it runs; False when it is not
+    one of ours (ray, kubectl, mlflow, ...)."""
+    import importlib
+    import sys
+
+    from pipeline import label_issues
+    from shards import cli, labelview
+    from tune import sweep
+
+    prog, args = argv[0], argv[1:]
+    if prog == "python" and args[:1] == ["-m"]:
+        prog, args = f"python -m {args[1]}", args[2:]
+    parsers = {"lccn-shards": cli.build_parser, "python -m shards": cli.build_parser,
+               "lccn-labelview": labelview.get_args_parser,
+               "python -m shards.labelview": labelview.get_args_parser,
+               "lccn-label-issues": label_issues.get_args_parser,
+               "python -m pipeline.label_issues": label_issues.get_args_parser,
+               "python -m tune.sweep": sweep.get_args_parser}
+    if prog in parsers:
+        parsers[prog]().parse_args(args)
+        return True
+    if prog == "python" and args and args[0].startswith("jobs/"):
+        sys.path.insert(0, str(REPO / "jobs"))
+        importlib.import_module(Path(args[0]).stem).get_args_parser().parse_args(args[1:])
+        return True
+    if prog in ("python", "bash") and args and args[0].startswith(("benchmarks/", "scripts/")):
+        script = REPO / args[0]
+        assert script.is_file(), args[0]
+        source = script.read_text()
+        for called in re.findall(r"benchmarks/\w+\.py", source):  # a wrapper passes "$@" on
+            source += (REPO / called).read_text()
+        for flag in (a.split("=")[0] for a in args[1:] if a.startswith("--")):
+            assert f'"{flag}"' in source or f"{flag})" in source or f"{flag}|" in source \
+                or f" {flag} " in source, f"{args[0]} has no option {flag}"
+        return True
+    return False
+
+
+@pytest.mark.parametrize("page", USER_PAGES)
+def test_user_guide_commands_are_real(page):
+    """Every project command on the page (converters, label views, jobs, also behind
+    ``ray job submit``, sweeps, the label-issue report, benchmarks) is accepted as shown."""
+    checked = 0
+    for argv in _shell_commands((REPO / page).read_text()):
+        try:
+            checked += _check_command(argv)
+        except SystemExit as e:  # argparse refused it
+            pytest.fail(f"{page}: {' '.join(argv)} is refused (exit {e.code})")
+    assert checked >= 3, page
+
+
+def test_user_guide_covers_the_journey():
+    text = (REPO / "docs" / "guide.md").read_text()
+    for phrase in ("lccn-shards clothing1m", "lccn-shards webvision", "lccn-shards cifar10",
+                   "lccn-labelview", "infra/ray-cluster.yaml", "infra/kuberay-rayjob.yaml",
+                   "python -m tune.sweep", "--scheduler pbt", "mlflow ui", "Choosing α",
+                   "--warmup-steps", "--method", "label-issues.md", "benchmarks/results/"):
+        assert phrase in text, phrase
+    readme = (REPO / "README.md").read_text()
+    assert "docs/guide.md" in readme and "docs/label-issues.md" in readme

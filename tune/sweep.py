@@ -4,7 +4,8 @@
 (:mod:`tune.search_spaces`) put into its RunConfig.
 
 Every epoch of a trial's Train run reaches Tune (:mod:`tune.reporting`), so ASHA stops weak
-trials after 1, 2, 4, ... epochs (``--scheduler fifo``: never). Trials are stopped and ranked
+trials after 1, 2, 4, ... epochs (``--scheduler fifo``: never; ``--scheduler pbt``:
+population-based training over alpha and the annealing floor, :mod:`tune.pbt`). Trials are stopped and ranked
 by ``val_top1`` (max), the accuracy on the noisy validation split (``--val-fraction`` of the
 training samples, against their observed labels: what a user with noisy data has); the
 clean ``test_top1`` is reported beside it and never used to choose (:mod:`tune.results`).
@@ -31,6 +32,7 @@ lowers it). The trial driver asks for memory and no CPU, so that two workers fit
     python -m tune.sweep --job quickstart --num-samples 8 -- --epochs 30   # after --: job options
     python -m tune.sweep --job cifar --alpha-grid --name a -- --data DIR/cifar10 --gpu
     python -m tune.sweep --job clothing1m --space my_space.json -- --data DIR/clothing1m
+    python -m tune.sweep --job quickstart --scheduler pbt --num-samples 4 -- --num-workers 1
 """
 
 from __future__ import annotations
@@ -74,16 +76,18 @@ def job_module(job: str):
 
 def trial_run(config: dict[str, Any], *, job: str, job_argv: list[str], sweep_dir: str,
               trial_id: str, tracking_uri: str | None, experiment: str,
-              parent_run_id: str | None):
+              parent_run_id: str | None, run_name: str | None = None,
+              extra_tags: list[tuple[str, str]] | None = None):
     """The run of one trial, built and not started: ``(module, args, JobRun)`` of ``job``
     with ``config`` (a sampled point, keys like ``"lccn.alpha"``) applied to its RunConfig,
-    run dir ``<sweep_dir>/trials/<trial_id>``, run name ``trial_id`` and the MLflow tags of
-    a child of ``parent_run_id``."""
+    run dir ``<sweep_dir>/trials/<trial_id>``, run name ``run_name`` (default the trial id;
+    a PBT trial restarted from a checkpoint runs a new one) and the MLflow tags of a child
+    of ``parent_run_id`` (plus ``extra_tags``)."""
     mod = job_module(job)
     import common
 
     argv = list(job_argv) + ["--run-dir", str(Path(sweep_dir) / "trials" / trial_id),
-                             "--run-name", trial_id, "--experiment", experiment]
+                             "--run-name", run_name or trial_id, "--experiment", experiment]
     argv += ["--tracking-uri", tracking_uri] if tracking_uri else ["--no-tracking"]
     args = mod.get_args_parser().parse_args(argv)
     jr = mod.prepare_run(args)
@@ -92,7 +96,7 @@ def trial_run(config: dict[str, Any], *, job: str, job_argv: list[str], sweep_di
     if dist.lr_values and run.optim.lr != jr.run.optim.lr:  # piecewise schedule: scale it
         dist = dataclasses.replace(dist, lr_values=scaled_lr_values(dist.lr_values,
                                                                     run.optim.lr))
-    tags = [("tune.trial_id", trial_id)]
+    tags = [("tune.trial_id", trial_id), *(extra_tags or [])]
     if parent_run_id:
         tags.append(("mlflow.parentRunId", parent_run_id))
     dist = dataclasses.replace(dist, mlflow_tags=tuple(tags))
@@ -132,8 +136,16 @@ def get_args_parser() -> argparse.ArgumentParser:
                         "--num-samples times) instead of log-uniform")
     p.add_argument("--num-samples", type=int, default=None,
                    help="trials (times the size of any grid; default 8, 3 with --smoke-test)")
-    p.add_argument("--scheduler", choices=("asha", "fifo"), default="asha",
-                   help="asha: stop weak trials early on val_top1; fifo: run every trial out")
+    p.add_argument("--scheduler", choices=("asha", "fifo", "pbt"), default="asha",
+                   help="asha: stop weak trials early on val_top1; fifo: run every trial out; "
+                        "pbt: population-based training, trials in the lower quantile restart "
+                        "from an upper trial's checkpoint (model and the actor's C and z) with "
+                        "lccn.alpha and lccn.anneal_floor perturbed (tune/pbt.py)")
+    p.add_argument("--perturbation-interval", type=int, default=1,
+                   help="PBT: epochs between two exploit/explore decisions of a trial")
+    p.add_argument("--quantile-fraction", type=float, default=0.25,
+                   help="PBT: the bottom (and top) fraction of the trials that is exploited "
+                        "(cloned)")
     p.add_argument("--grace-period", type=int, default=1,
                    help="ASHA: epochs every trial runs before it can be stopped")
     p.add_argument("--reduction-factor", type=int, default=2,
@@ -220,6 +232,26 @@ def parent_tracker(tracking_uri: str, experiment: str, name: str, params: dict[s
     return tracker
 
 
+def progress_rows(trial_dir: Path) -> list[dict[str, Any]]:
+    """Every result of a trial from its ``progress.csv`` (Tune cuts ``result.json``, and
+    the ResultGrid's history with it, back to the checkpoint a trial restarts from: after a
+    PBT exploit that is another trial's); one row per epoch, a later report of an epoch
+    replacing an earlier one (the exploited trial's new lineage)."""
+    import pandas as pd
+
+    path = trial_dir / "progress.csv"
+    if not path.is_file():
+        return []
+    try:
+        rows = pd.read_csv(path).to_dict("records")
+    except (OSError, ValueError):
+        return []
+    by_epoch: dict[Any, dict[str, Any]] = {}
+    for r in rows:
+        by_epoch[r.get(TIME_ATTR)] = r
+    return [by_epoch[k] for k in sorted(by_epoch, key=lambda v: (v != v, v))]
+
+
 def trial_records(grid, *, epochs: int) -> list[dict[str, Any]]:
     """One dict per trial of the ResultGrid: ``trial_id``, ``config``, ``status``
     (finished / stopped early / error / unfinished: not run to its end, in an interrupted
@@ -235,6 +267,9 @@ def trial_records(grid, *, epochs: int) -> list[dict[str, Any]]:
             hist = res.metrics_dataframe.to_dict("records")
         elif res.metrics:
             hist = [dict(res.metrics)]
+        logged = progress_rows(Path(res.path))
+        if len(logged) > len(hist):  # a trial restored from a checkpoint (PBT)
+            hist = logged
         done = max((int(r[TIME_ATTR]) for r in hist
                     if isinstance(r.get(TIME_ATTR), (int, float)) and r[TIME_ATTR] == r[TIME_ATTR]),
                    default=0)
@@ -345,6 +380,10 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
               f"effect", flush=True)
     num_samples = args.num_samples or (3 if args.smoke_test else 8)
     space = resolve_space(args)
+    if args.scheduler == "pbt":
+        from tune import pbt
+
+        space = pbt.pbt_space(space)
     n_trials = expected_trials(space, num_samples)
     name = args.name or f"sweep-{args.job}-{time.strftime('%Y%m%d-%H%M%S')}"
     sweep_dir = (args.sweep_dir or common.default_run_dir("sweep")).expanduser().resolve()
@@ -360,6 +399,8 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
             "job": args.job, "space": json.dumps(space, sort_keys=True),
             "num_samples": num_samples, "trials": n_trials, "scheduler": args.scheduler,
             "grace_period": args.grace_period, "reduction_factor": args.reduction_factor,
+            "perturbation_interval": args.perturbation_interval,
+            "quantile_fraction": args.quantile_fraction,
             "metric": METRIC, "mode": MODE, "seed": args.seed, "job_args": " ".join(job_argv)}})
     started = common.connect_ray()
     try:
@@ -367,7 +408,10 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
                                     cpus_per_worker=probe.cpus_per_worker)
         if args.max_concurrent:
             concurrent = max(1, min(concurrent, args.max_concurrent))
-        fn = functools.partial(run_trial, job=args.job, job_argv=job_argv,
+        if args.scheduler == "pbt":
+            from tune import pbt
+        fn = functools.partial(pbt.run_trial if args.scheduler == "pbt" else run_trial,
+                               job=args.job, job_argv=job_argv,
                                sweep_dir=str(sweep_dir), tracking_uri=tracking,
                                experiment=experiment,
                                parent_run_id=tracker.run_id if tracker else None)
@@ -382,10 +426,17 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
         else:
             # max_t one past the last epoch: ASHA never stops a trial at its last epoch,
             # which would kill its Train run before it writes its final results
-            scheduler = (ASHAScheduler(time_attr=TIME_ATTR, max_t=probe.epochs + 1,
-                                       grace_period=args.grace_period,
-                                       reduction_factor=args.reduction_factor)
-                         if args.scheduler == "asha" else FIFOScheduler())
+            if args.scheduler == "asha":
+                scheduler = ASHAScheduler(time_attr=TIME_ATTR, max_t=probe.epochs + 1,
+                                          grace_period=args.grace_period,
+                                          reduction_factor=args.reduction_factor)
+            elif args.scheduler == "pbt":
+                scheduler = pbt.make_scheduler(max_t=probe.epochs, fits=n_trials <= concurrent,
+                                               interval=args.perturbation_interval,
+                                               quantile=args.quantile_fraction,
+                                               seed=args.seed)
+            else:
+                scheduler = FIFOScheduler()
             tuner = tune.Tuner(
                 trainable, param_space=to_tune(space),
                 tune_config=tune.TuneConfig(
@@ -397,6 +448,10 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
                     trial_name_creator=lambda t: t.trial_id,
                     trial_dirname_creator=lambda t: t.trial_id),
                 run_config=tune.RunConfig(name=name, storage_path=str(sweep_dir / "tune"),
+                                          # PBT: keep every trial checkpoint (a cloned one
+                                          # must outlive the clone's restart)
+                                          checkpoint_config=tune.CheckpointConfig(
+                                              num_to_keep=None),
                                           callbacks=[ReleasePlacementGroups(),
                                                      *(callbacks or [])]))
         grid = tuner.fit()

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pipeline import label_issues
 from pipeline.confusion import transition
 from pipeline.divide import (co_divide, co_guess, co_refine, co_refine_lccn, conf_penalty,
                              division_losses, ensemble_topk, lccn_division_losses,
@@ -403,6 +404,9 @@ class DivideLCCN(DivideMix):
         self.lccn_steps = [0, 0]
         self.labelers: list[Any] | None = None
         self._changed: list[float] = []
+        # the label-issue report: both chains' posteriors, averaged together
+        self.report = label_issues.accumulator_for(run, engine, k_latent=self.num_classes)
+        self._sink = None
 
     def noise_phase_started(self) -> bool:
         return self.phi_init is not None
@@ -452,6 +456,16 @@ class DivideLCCN(DivideMix):
         q = lccn_posterior(torch.softmax(logits.double(), 1), transition_columns(phi, observed))
         return lccn_division_losses(q, observed)
 
+    def train_epoch(self, epoch: int, batches: Iterable[Any],
+                    after_step: Callable[[], None]) -> dict[str, float]:
+        noise = self.in_noise_phase(epoch)
+        self._sink = self.report.sink(epoch) if noise else None
+        stats = super().train_epoch(epoch, batches, after_step)
+        if noise:
+            label_issues.finish_epoch(self.report, self.engine, epoch,
+                                      [m.eval_model for m in self.members])
+        return stats
+
     def _begin_chain_pass(self) -> None:
         self._changed = []
         self._prefetched = [False] * len(self.members)
@@ -468,6 +482,8 @@ class DivideLCCN(DivideMix):
             self._prefetched[k] = True
         cond = lab_k.conditional(b.observed, b.idx)                     # (B, K) float64
         z, st = lab_k.sample(p_bar, b.observed, b.idx)
+        if self._sink is not None:
+            self._sink(b.idx[b.valid], st.posterior[b.valid.to(st.posterior.device)])
         lab_k.commit(b.idx[b.valid], z.cpu()[b.valid], nxt.idx if nxt is not None else None)
         self.lccn_steps[k] = lab_k.step_count
         self._changed.append(float(st.changed))
@@ -529,10 +545,12 @@ class DivideLCCN(DivideMix):
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "lccn_step": max(self.lccn_steps),
                 "lccn_steps": list(self.lccn_steps), "phi_init": self.phi_init,
-                "monitor_val_start": self.monitor.val_start}
+                "monitor_val_start": self.monitor.val_start,
+                label_issues.STATE_KEY: self.report.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.lccn_steps = [int(s) for s in state.get("lccn_steps", [0, 0])]
         self.phi_init = state.get("phi_init")
         self.monitor.val_start = float(state.get("monitor_val_start", math.nan))
+        self.report.load_state_dict(state.get(label_issues.STATE_KEY))

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from pipeline.confusion import transition
+from pipeline import label_issues
 from pipeline.engine import all_gather_rows, transition_error
 from pipeline.lccn import GibbsLabeler
 from pipeline.loop import predict, train_one_epoch
@@ -128,6 +129,9 @@ class LCCN(Method):
         self.pretrained_probs: Tensor | None = None
         # LCCN*: p(outlier) averaged over the last cfg.outlier_epochs epochs' draws
         self.outlier_mean: PosteriorMean | None = None
+        # the label-issue report: the whole posterior averaged over the last
+        # cfg.report_epochs epochs (pipeline.label_issues)
+        self.report = label_issues.accumulator_for(run, engine, k_latent=self.num_outputs())
 
     def num_outputs(self) -> int:
         return self.num_classes + 1 if self.cfg.outlier else self.num_classes
@@ -185,19 +189,27 @@ class LCCN(Method):
         m = self.members[0]
         active = self._active(epoch)
         self._epoch = epoch
-        observe = None
+        observers = []
         if self.outlier_mean is not None and active is not None:
             acc = self.outlier_mean
+            observers.append(lambda idx, post: acc.add(idx, post[:, -1:]))
+        sink = self.report.sink(epoch) if active is not None else None
+        if sink is not None:
+            observers.append(sink)
 
-            def observe(idx: Tensor, posterior: Tensor, valid: Tensor) -> None:
-                acc.add(idx[valid], posterior[valid.to(posterior.device), -1:])
+        def observe(idx: Tensor, posterior: Tensor, valid: Tensor) -> None:
+            idx, posterior = idx[valid], posterior[valid.to(posterior.device)]
+            for fn in observers:
+                fn(idx, posterior)
 
         stats = train_one_epoch(m.train_model, batches, m.optimizer, labeler=active,
                                 trusted=self.trusted, xi=self.cfg.xi, device=self.engine.device,
                                 num_classes=self.num_classes, after_step=after_step,
-                                observe=observe)
+                                observe=observe if observers else None)
         if self.labeler is not None:
             self.lccn_step = self.labeler.step_count
+        if active is not None:
+            label_issues.finish_epoch(self.report, self.engine, epoch, [m.eval_model])
         return stats
 
     def flush(self) -> None:
@@ -254,7 +266,8 @@ class LCCN(Method):
         return {"lccn_step": self.lccn_step, "phi_init": self.phi_init,
                 "monitor_val_start": self.monitor.val_start,
                 "outlier_mean": (None if self.outlier_mean is None
-                                 else self.outlier_mean.state_dict())}
+                                 else self.outlier_mean.state_dict()),
+                label_issues.STATE_KEY: self.report.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.lccn_step = int(state.get("lccn_step", 0))
@@ -264,3 +277,4 @@ class LCCN(Method):
             self.outlier_mean = PosteriorMean(self.engine.data.num_samples, 1)
             if self.engine.session.rank == 0:  # only rank 0's totals are complete
                 self.outlier_mean.load_state_dict(state["outlier_mean"])
+        self.report.load_state_dict(state.get(label_issues.STATE_KEY))

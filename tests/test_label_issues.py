@@ -1,0 +1,229 @@
+"""The label-issue report: rankings and precision/recall at k computed by hand, the
+held-out posterior against the sampler's Eq. 7, the accumulator's mean over epochs and ranks
+and its checkpoint round trip, the command line on a checkpoint (files, an MLflow store,
+clear errors), and a real two-worker run on digits with planted flips that ranks the flips
+first, with cleanlab's numbers beside it and the files as MLflow artifacts."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline import label_issues as li
+from pipeline.confusion import count_matrix, transition
+from pipeline.confusion_store import ConfusionStore
+from pipeline.sampler import gibbs_posterior
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_rankings_and_precision_at_k_by_hand():
+    # 5 samples, K = 3; observed 0 everywhere; samples 1 and 3 really are class 2
+    post = np.array([[0.9, 0.05, 0.05], [0.1, 0.1, 0.8], [0.6, 0.3, 0.1],
+                     [0.2, 0.0, 0.8], [0.5, 0.45, 0.05]])
+    obs = np.zeros(5, dtype=np.int64)
+    r = li.rank_mislabelled(post, obs, np.arange(5), num_classes=3)
+    assert r.score == pytest.approx([0.1, 0.9, 0.4, 0.8, 0.5])
+    assert r.order().tolist() == [1, 3, 4, 2, 0]
+    assert r.flagged.tolist() == [False, True, False, True, False]
+    assert r.suggested.tolist() == [0, 2, 0, 2, 0]
+    truth = np.array([False, True, False, True, False])
+    known = np.ones(5, bool)
+    ev = li.at_k(r, truth, known, ks=[1, 3])
+    rows = {row["k"]: row for row in ev["at"]}
+    assert rows["1"]["precision"] == 1.0 and rows["1"]["recall"] == 0.5
+    assert rows["3"]["precision"] == pytest.approx(2 / 3) and rows["3"]["recall"] == 1.0
+    assert ev["r_precision"] == 1.0 and rows["flagged"]["precision"] == 1.0
+    # an unknown clean label leaves the sample out of the evaluation
+    known[1] = False
+    ev = li.at_k(r, truth, known)
+    assert (ev["evaluated"], ev["issues"], ev["r_precision"]) == (4, 1, 1.0)
+
+
+def test_outlier_mass_is_not_a_mislabel():
+    # LCCN*: K = 2 plus the outlier class
+    post = np.array([[0.1, 0.1, 0.8], [0.1, 0.8, 0.1]])
+    obs = np.array([0, 0])
+    mis = li.rank_mislabelled(post, obs, np.arange(2), num_classes=2)
+    assert mis.score == pytest.approx([0.1, 0.8])
+    assert mis.flagged.tolist() == [False, True]
+    out = li.rank_outliers(post, np.arange(2), num_classes=2)
+    assert out.flagged.tolist() == [True, False] and out.score == pytest.approx([0.8, 0.1])
+    with pytest.raises(ValueError, match="K \\+ 1 = 3"):
+        li.rank_outliers(post[:, :2], np.arange(2), num_classes=2)
+    with pytest.raises(ValueError, match="row 1"):
+        li.rank_mislabelled(np.array([[1.0, 0.0], [0.0, 0.0]]), obs, np.arange(2),
+                            num_classes=2)
+
+
+def test_heldout_posterior_is_eq7_without_an_own_count():
+    g = torch.Generator().manual_seed(0)
+    k, n = 4, 50
+    obs_all = torch.randint(0, k, (200,), generator=g)
+    z_all = torch.randint(0, k, (200,), generator=g)
+    counts = count_matrix(z_all, obs_all, k, k)
+    probs = torch.softmax(torch.randn(n, k, generator=g, dtype=torch.float64), 1)
+    obs = torch.randint(0, k, (n,), generator=g)
+    want = gibbs_posterior(probs, obs, torch.zeros(n, dtype=torch.int64), counts, 0.5,
+                           counted=torch.zeros(n, dtype=torch.bool))
+    got = li.heldout_posterior(probs.numpy(), obs.numpy(), transition(counts, 0.5).numpy())
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-9, atol=1e-12)
+
+
+def _acc(**kw):
+    args = dict(num_samples=6, k_latent=3, num_classes=3, epochs=2, total_epochs=5,
+                first_noise_epoch=1, alpha=1.0)
+    args.update(kw)
+    return li.ReportAccumulator(**args)
+
+
+def test_accumulator_means_over_the_last_epochs_and_ranks_and_round_trips():
+    acc = _acc()
+    assert [e for e in range(5) if acc.covers(e)] == [3, 4]
+    assert acc.sink(2) is None
+    other_rank = {}
+
+    def reduce(part):  # a second rank that saw samples 4 and 5 with a one-hot posterior
+        other = torch.zeros_like(part)
+        other[4:, 2] = 1.0
+        other[4:, 3] = 1.0
+        other_rank["seen"] = True
+        return part + other
+
+    for epoch in (3, 4):
+        sink = acc.sink(epoch)
+        post = torch.tensor([[1.0, 0, 0], [0, 1.0, 0]]) if epoch == 3 else \
+            torch.tensor([[0, 0, 1.0], [0, 1.0, 0]])
+        sink(torch.tensor([0, 1]), post)
+        acc.end_epoch(epoch, reduce)
+    assert other_rank and acc.epochs == [3, 4]
+    assert acc.count.tolist() == [2, 2, 0, 0, 2, 2]
+    mean = acc.sum / acc.count.clamp_min(1).unsqueeze(1)
+    np.testing.assert_allclose(mean[0].numpy(), [0.5, 0, 0.5])
+    np.testing.assert_allclose(mean[4].numpy(), [0, 0, 1.0])
+    fresh = _acc()
+    fresh.load_state_dict(acc.state_dict())
+    assert torch.equal(fresh.sum, acc.sum) and fresh.epochs == [3, 4]
+    # too large a run keeps it off and says why
+    big = _acc(num_samples=li.MAX_ENTRIES, k_latent=2)
+    assert big.too_large and not big.covers(4)
+    assert not _acc(epochs=0).covers(4)
+
+
+def _state(tmp_path: Path, *, k: int, outlier: bool, rng: np.random.Generator):
+    """A checkpoint state as an LCCN run leaves it: the chain, the averaged posteriors of
+    the training samples, the held-out predictions."""
+    n = 60
+    k_lat = k + 1 if outlier else k
+    clean = rng.integers(0, k, n)
+    flips = rng.random(n) < 0.25
+    observed = np.where(flips, (clean + 1) % k, clean)
+    held = np.zeros(n, bool)
+    held[::5] = True
+    post = np.full((n, k_lat), 0.02)
+    post[np.arange(n), clean] = 1.0
+    if outlier:
+        clean[7] = k  # one out-of-distribution sample
+        post[7] = 0.02
+        post[7, k] = 1.0
+    post /= post.sum(1, keepdims=True)
+    store = ConfusionStore(torch.from_numpy(observed), torch.from_numpy(clean.clip(0, k - 1)),
+                           k_lat, k, counted=torch.from_numpy(~held))
+    count = np.where(held, 0, 3)
+    acc = {"sum": torch.from_numpy(post * count[:, None]).float(),
+           "count": torch.from_numpy(count), "epochs": [3, 4, 5], "alpha": 1.0,
+           "k_latent": k_lat, "num_classes": k,
+           "heldout": {"idx": torch.from_numpy(np.flatnonzero(held)),
+                       "probs": torch.from_numpy(post[held]).float()}}
+    state = {"store": store.state_dict(), li.STATE_KEY: acc, "mlflow_run_id": None}
+    return state, clean, observed
+
+
+def test_report_files_and_cli_log_into_a_real_mlflow_store(tmp_path, capsys):
+    from mlflow import MlflowClient
+
+    rng = np.random.default_rng(0)
+    state, clean, observed = _state(tmp_path, k=3, outlier=True, rng=rng)
+    ckpt = tmp_path / "checkpoint_000003"
+    ckpt.mkdir()
+    torch.save(state, ckpt / "state.pt")
+    from pipeline.labels import LabelView
+
+    view = LabelView(observed=observed, clean=clean, num_classes=3)
+    view.save(tmp_path / "view.npz")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    exp = client.create_experiment("e", artifact_location=(tmp_path / "art").as_uri())
+    run_id = client.create_run(exp).info.run_id
+    assert li.main([str(ckpt), "--label-view", str(tmp_path / "view.npz"), "--k", "5",
+                    "--out", str(tmp_path / "rep"), "--tracking-uri", uri,
+                    "--mlflow-run-id", run_id]) == 0
+    printed = capsys.readouterr().out
+    assert "| train | mislabelled" in printed and "cleanlab" in printed
+    rows = list(csv.DictReader(open(tmp_path / "rep" / "mislabelled.csv")))
+    counted = np.flatnonzero(~np.isin(np.arange(60), np.arange(0, 60, 5)))
+    planted = {int(i) for i in counted if 0 <= clean[i] < 3 and clean[i] != observed[i]}
+    assert {int(r["idx"]) for r in rows} == planted  # a posterior at the truth finds all
+    assert all(r["suggested"] == str(clean[int(r["idx"])]) for r in rows)
+    assert [float(r["confidence"]) for r in rows] == sorted(
+        (float(r["confidence"]) for r in rows), reverse=True)
+    out_rows = list(csv.DictReader(open(tmp_path / "rep" / "outliers.csv")))
+    assert [int(r["idx"]) for r in out_rows] == [7]
+    summary = json.loads((tmp_path / "rep" / "summary.json").read_text())
+    methods = {(e["split"], e["kind"], e["method"]) for e in summary["evaluation"]}
+    assert methods == {("train", "mislabelled", "lccn"), ("train", "outlier", "lccn"),
+                       ("validation", "mislabelled", "lccn"),
+                       ("validation", "mislabelled", "cleanlab")}
+    arts = {a.path for a in client.list_artifacts(run_id, "label_issues")}
+    assert arts == {f"label_issues/{f}" for f in ("mislabelled.csv", "outliers.csv",
+                                                  "summary.json", "summary.md")}
+    assert client.get_run(run_id).data.metrics["label_issues_rprec_train_mislabelled_lccn"] == 1.0
+
+
+def test_cli_errors_name_the_file(tmp_path):
+    with pytest.raises(SystemExit, match="state.pt: no such file"):
+        li.main([str(tmp_path)])
+    torch.save({"store": None}, tmp_path / "state.pt")
+    with pytest.raises(SystemExit, match=f"{tmp_path}: the checkpoint holds no averaged"):
+        li.main([str(tmp_path)])
+
+
+@pytest.mark.ray
+def test_a_real_run_ranks_planted_flips_first_beside_cleanlab(tmp_path):
+    """Two Ray Train workers, digits with 40% pair flips in four classes (the quickstart's
+    planted noise), 4 CE + 4 LCCN epochs, the posterior averaged over the last 3."""
+    from mlflow import MlflowClient
+
+    sys.path.insert(0, str(REPO / "jobs"))
+    import quickstart_ray
+
+    summary = quickstart_ray.main(["--epochs", "8", "--pretrain-epochs", "4", "--milestones",
+                                   "--no-baseline", "--run-dir", str(tmp_path),
+                                   "--run-name", "flips", "--val-fraction", "0.2",
+                                   "--report-epochs", "3"])
+    rep = summary["label_issues"]
+    assert rep["posterior_epochs"] == [5, 6, 7]
+    ev = {(e["split"], e["method"]): e for e in rep["evaluation"]}
+    train = ev[("train", "lccn")]
+    assert train["issues"] > 100  # the planted flips among the ~1000 counted samples
+    # measured with seeds 0, 1, 2: 0.95, 0.94, 0.59 (this run, seed 0: 0.95; flagged
+    # precision 0.87 +- 0.17, recall 0.83 +- 0.11 over the seeds,
+    # benchmarks/results/label_issues.md); chance is the flip rate, ~0.15
+    assert train["r_precision"] >= 0.5
+    flagged = next(r for r in train["at"] if r["k"] == "flagged")
+    assert flagged["precision"] >= 0.5 and flagged["recall"] >= 0.5
+    # cleanlab beside LCCN on the held-out split, from the same final model
+    held, cl = ev[("validation", "lccn")], ev[("validation", "cleanlab")]
+    assert held["evaluated"] == cl["evaluated"] > 200 and held["issues"] == cl["issues"]
+    assert 0.0 <= cl["r_precision"] <= 1.0 and cl["r_precision"] > 0.3
+    files = {Path(f).name for f in rep["files"]}
+    assert files == {"mislabelled.csv", "summary.json", "summary.md"}
+    client = MlflowClient(tracking_uri=summary["tracking_uri"])
+    arts = {a.path for a in client.list_artifacts(summary["mlflow_run_id"], "label_issues")}
+    assert "label_issues/mislabelled.csv" in arts and "label_issues/summary.md" in arts
