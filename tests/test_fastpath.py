@@ -137,8 +137,8 @@ def test_sampler_range_checks_name_the_values():
 
 def test_gpu_code_paths_import_without_the_cluster_packages(tmp_path):
     """A GPU node with only a CUDA PyTorch image runs the trainer, the engine, the methods
-    and benchmarks/gpu_check.py: none of them may import Ray, MLflow, WebDataset or boto3
-    at import time."""
+    and benchmarks/gpu_check.py: none of them may import Ray, MLflow, WebDataset, boto3 or
+    cleanlab at import time, and numba (the CPU labeler's kernels) is optional."""
     import subprocess
     import sys
     from pathlib import Path
@@ -149,12 +149,14 @@ def test_gpu_code_paths_import_without_the_cluster_packages(tmp_path):
         "import builtins, sys\n"
         "real = builtins.__import__\n"
         "def guard(name, *a, **k):\n"
-        "    if name.split('.')[0] in ('ray', 'mlflow', 'webdataset', 'boto3'):\n"
+        "    if name.split('.')[0] in ('ray', 'mlflow', 'webdataset', 'boto3', 'cleanlab', 'numba'):\n"
         "        raise ImportError('blocked: ' + name)\n"
         "    return real(name, *a, **k)\n"
         "builtins.__import__ = guard\n"
         f"sys.path.insert(0, {str(root)!r})\n"
         "import pipeline.trainer, pipeline.engine, pipeline.methods, pipeline.fastpath\n"
+        "import pipeline.label_issues, pipeline.sampler, pipeline.lccn\n"
+        "assert pipeline.sampler.numba is None and not pipeline.lccn.host_kernel\n"
         "import runpy\n"
         "sys.argv = ['gpu_check.py', '--device', 'cpu', '--no-shards', '--help']\n"
         "try:\n"
