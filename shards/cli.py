@@ -6,8 +6,10 @@ fewer than the CPUs this process may use, at least 1), ``--no-progress``; for im
 (``0`` = keep the original bytes), ``--validate verify|decode`` and ``--skip-bad``.
 ``clothing1m`` and ``webvision`` resize to a shorter side of 256 by default (the usual
 preprocessing for these web datasets: ~10x smaller shards, and training crops 224 anyway);
-``imagefolder`` keeps originals by default. A rerun with the same options resumes: finished
-shards are skipped.
+``imagefolder`` keeps originals by default. ``imagefolder`` (every split) and ``webvision``
+(its train split) list images class by class; they write them in a seeded random order
+(``--shuffle-seed``, default 0; ``--keep-order`` for the listed order), so that every shard
+mixes the classes. A rerun with the same options resumes: finished shards are skipped.
 
 Prints one line per split and returns 0; a conversion error prints ``error: ...`` and
 returns 1.
@@ -58,6 +60,15 @@ def _common(p: argparse.ArgumentParser, *, images: bool, resize_default: int = 0
                             "instead of failing")
 
 
+def _order(p: argparse.ArgumentParser, which: str) -> None:
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--shuffle-seed", type=int, default=0, metavar="S",
+                   help=f"write {which} in the random order of seed S, so that every shard "
+                        "mixes the classes (default 0)")
+    g.add_argument("--keep-order", dest="shuffle_seed", action="store_const", const=None,
+                   help="write in the listed order (class by class) instead")
+
+
 def prog_name(module: str, argv0: str | None = None) -> str:
     """The program name for usage lines: the console script's name (``lccn-shards``) when
     run as one, else ``python -m <module>``."""
@@ -86,6 +97,10 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--labels-unverified", action="store_true",
                    help="folder labels are noisy: store clean=-1")
     p.add_argument("--dataset-name", default="imagefolder", help="dataset name in manifests")
+    _order(p, "every split")
+    p.add_argument("--per-class", type=int, default=None, metavar="N",
+                   help="keep the first N images of each class of each split (a class-balanced "
+                        "subset; default: all)")
 
     p = sub.add_parser("clothing1m", help="Clothing1M (images/ + annotation files)")
     _common(p, images=True, resize_default=WEB_RESIZE_SHORT)
@@ -99,6 +114,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--imagenet-val", metavar="DIR",
                    help="ImageNet val folder with LOC_val_solution.csv (adds split imagenet_val)")
     p.add_argument("--splits", nargs="+", help="default: train val [imagenet_val]")
+    _order(p, "the train split")
     return parser
 
 
@@ -119,7 +135,8 @@ def _run(args: argparse.Namespace) -> dict[str, Manifest]:
 
         return imagefolder.convert(args.src, args.out, splits=args.splits, classes=args.classes,
                                    labels_unverified=args.labels_unverified,
-                                   dataset=args.dataset_name, **common)
+                                   dataset=args.dataset_name, per_class=args.per_class,
+                                   shuffle_seed=args.shuffle_seed, **common)
     if args.dataset == "clothing1m":
         from shards import clothing1m
 
@@ -128,7 +145,8 @@ def _run(args: argparse.Namespace) -> dict[str, Manifest]:
     from shards import webvision
 
     return webvision.convert(args.src, args.out, mini=args.mini, flickr=args.flickr,
-                             imagenet_val=args.imagenet_val, splits=args.splits, **common)
+                             imagenet_val=args.imagenet_val, splits=args.splits,
+                             shuffle_seed=args.shuffle_seed, **common)
 
 
 def _summary(manifests: dict[str, Manifest], out: str, seconds: float,

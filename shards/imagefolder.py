@@ -3,14 +3,19 @@
 Classes are the class folders of all converted splits together, sorted by name (so every
 split uses the same label indices), or an explicit ``classes`` list (folders not in it are an
 error). Within a class, image files are found recursively and sorted by their path relative
-to the class folder; ``idx`` follows class order, then file order. ``label`` = the class
+to the class folder. That class-then-file list is written in a seeded random order
+(``shuffle_seed``, 0 by default; recorded in the manifest's ``source["shuffle_seed"]``) with
+``idx`` = the position in it, so that every shard mixes the classes
+(:func:`shards.writer.shuffled`); ``shuffle_seed=None`` keeps the list order. ``label`` = the class
 index; ``clean`` = the class index too (the folders are the dataset's labels), or ``-1`` with
 ``labels_unverified=True`` (e.g. web-crawled folders). ``key`` = ``<class>/<file>``, relative
 to the split folder. Hidden files and files without an image extension are ignored (and
 counted in the manifest's ``source["ignored_files"]``).
 
 For the CIFAR-10 JPEG tree (``train|test/<class>/NNNN.jpg``) this gives 50,000 train and
-10,000 test samples, labels in the standard CIFAR-10 order.
+10,000 test samples, labels in the standard CIFAR-10 order. ``per_class=N`` keeps the first N
+files of each class (in that order) of every converted split: a class-balanced subset for a
+quick run, recorded in the manifest's ``source["per_class"]``.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from pathlib import Path
 from typing import Literal
 
 from pipeline.manifest import Manifest
-from shards.writer import SampleRecord, ShardError, WriterOptions, write_split
+from shards.writer import SampleRecord, ShardError, WriterOptions, shuffled, write_split
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff",
                               ".ppm", ".pgm"})
@@ -66,14 +71,16 @@ def find_splits(src: str | os.PathLike) -> list[str]:
 
 
 def split_records(split_dir: Path, files: Mapping[str, Sequence[str]], classes: Sequence[str],
-                  *, labels_unverified: bool = False) -> list[SampleRecord]:
+                  *, labels_unverified: bool = False,
+                  per_class: int | None = None) -> list[SampleRecord]:
     """Records of one split: class order, then files sorted by relative path; idx = position.
 
     ``files``: ``{class: paths relative to split_dir/<class>}`` (e.g. from :func:`scan_split`).
+    ``per_class``: keep only the first that many files of each class.
     """
     records: list[SampleRecord] = []
     for lab, cls in enumerate(classes):
-        for rel in sorted(files.get(cls, ())):
+        for rel in sorted(files.get(cls, ()))[:per_class]:
             records.append(SampleRecord(
                 idx=len(records), label=lab, clean=-1 if labels_unverified else lab,
                 key=f"{cls}/{rel}", path=str(split_dir / cls / rel)))
@@ -94,12 +101,19 @@ def convert(
     validate: Literal["verify", "decode"] = "verify",
     skip_bad: bool = False,
     progress: bool = True,
+    per_class: int | None = None,
+    shuffle_seed: int | None = 0,
 ) -> dict[str, Manifest]:
     """Convert ``src/<split>/<class>/...`` to ``out_dir/<split>/`` shards.
 
     ``splits``: which split folders (default: every visible subfolder of ``src``).
     ``classes``: class names in label order (default: sorted union of class folders).
+    ``per_class``: keep the first N files of each class of each split (default: all).
+    ``shuffle_seed``: write each split in this seeded random order (None: class order).
     """
+    if per_class is not None and (isinstance(per_class, bool) or not isinstance(per_class, int)
+                                  or per_class < 1):
+        raise ShardError(f"per_class must be a positive integer, got {per_class!r}")
     src = Path(src)
     splits = list(splits) if splits is not None else find_splits(src)
     if not splits:
@@ -133,10 +147,15 @@ def convert(
     out: dict[str, Manifest] = {}
     for split in splits:
         files, ignored = scan_split(src / split, classes)
-        records = split_records(src / split, files, classes, labels_unverified=labels_unverified)
+        records = split_records(src / split, files, classes, labels_unverified=labels_unverified,
+                                per_class=per_class)
+        if shuffle_seed is not None:
+            records = shuffled(records, shuffle_seed)
         source = {"converter": "shards.imagefolder", "format": "imagefolder",
                   "root": str(src), "labels_unverified": labels_unverified,
-                  "ignored_files": ignored}
+                  "ignored_files": ignored, "shuffle_seed": shuffle_seed}
+        if per_class is not None:
+            source["per_class"] = per_class
         out[split] = write_split(records, out_dir, dataset=dataset, split=split,
                                  classes=classes, options=opts, source=source)
     return out

@@ -10,8 +10,12 @@ Source layout (the resized WebVision 1.0 release)::
 
 Splits:
 
-- ``train``: the Google list (plus the Flickr list after it with ``flickr=True``), in file
-  order. Web labels are noisy: ``label`` = the list's label, ``clean`` = -1.
+- ``train``: the Google list (plus the Flickr list after it with ``flickr=True``). The lists
+  go query by query, so class by class; the split is written in a seeded random order
+  (``shuffle_seed``, 0 by default, in the manifest's ``source``; ``idx`` = the position in
+  it) so that every shard mixes the classes (:func:`shards.writer.shuffled`).
+  ``shuffle_seed=None`` keeps the file order. Web labels are noisy: ``label`` = the list's
+  label, ``clean`` = -1.
 - ``val``: the WebVision validation set; ``label`` = ``clean`` = the list's label.
 - ``imagenet_val`` (only with ``imagenet_val=DIR``): the ILSVRC-2012 validation images of the
   same classes, ``label`` = ``clean`` = the synset's line in ``synsets.txt``. Format (the
@@ -36,7 +40,7 @@ from pathlib import Path
 from typing import Literal
 
 from pipeline.manifest import Manifest
-from shards.writer import SampleRecord, ShardError, WriterOptions, write_split
+from shards.writer import SampleRecord, ShardError, WriterOptions, shuffled, write_split
 
 MINI_CLASSES = 50
 IMAGENET_CSV = "LOC_val_solution.csv"
@@ -155,6 +159,7 @@ def convert(
     validate: Literal["verify", "decode"] = "verify",
     skip_bad: bool = False,
     progress: bool = True,
+    shuffle_seed: int | None = 0,
 ) -> dict[str, Manifest]:
     """Convert WebVision under ``src`` to ``out_dir/<split>/`` shards.
 
@@ -206,6 +211,10 @@ def convert(
                   "mini": mini, "flickr": flickr, "class_descriptions": desc[:limit]}
         if split == "imagenet_val":
             source["imagenet_val"] = str(imagenet_val)
+        if split == "train":
+            source["shuffle_seed"] = shuffle_seed
+            if shuffle_seed is not None:
+                records = shuffled(records, shuffle_seed)
         out[split] = write_split(records, out_dir, dataset=dataset, split=split,
                                  classes=classes, options=opts, source=source)
     return out

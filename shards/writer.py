@@ -577,6 +577,19 @@ def _scan_bad(records: list[SampleRecord], split_dir: Path, opts: WriterOptions,
     return bad
 
 
+def shuffled(records: Sequence[SampleRecord], seed: int) -> list[SampleRecord]:
+    """``records`` in a seeded random order, ``idx`` renumbered 0..N-1 in that order (the
+    ``key`` still names each image). For sources listed class by class (image folders,
+    WebVision's file lists): every shard then holds the classes in proportion. From
+    class-sorted shards the loader cannot mix a batch: its shard shuffle moves whole shards
+    and its sample buffer (1,000 by default) spans one or two of them, so most batches would
+    hold one or two classes and SGD would not learn."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ShardError(f"shuffle seed must be a non-negative integer, got {seed!r}")
+    perm = np.random.default_rng(int(seed)).permutation(len(records))
+    return [replace(records[j], idx=i) for i, j in enumerate(perm.tolist())]
+
+
 def write_split(
     records: Iterable[SampleRecord],
     out_dir: str | os.PathLike,

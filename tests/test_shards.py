@@ -360,7 +360,7 @@ def test_imagefolder_keeps_bytes_orders_and_labels(jpeg_tree, tmp_path):
     (src / "train" / "bird" / "README.txt").write_text("not an image")
     (src / "train" / "bird" / ".DS_Store").write_bytes(b"\0")
     out = tmp_path / "out"
-    ms = imagefolder.convert(src, out, shard_size=50, progress=False)
+    ms = imagefolder.convert(src, out, shard_size=50, progress=False, shuffle_seed=None)
     assert sorted(ms) == ["test", "train"]
     train, test = ms["train"], ms["test"]
     assert train.classes == test.classes == CLASSES  # sorted union of class folders
@@ -380,7 +380,8 @@ def test_imagefolder_keeps_bytes_orders_and_labels(jpeg_tree, tmp_path):
 
 def test_imagefolder_class_list_and_unverified_labels(jpeg_tree, tmp_path):
     ms = imagefolder.convert(jpeg_tree, tmp_path / "a", splits=["test"], progress=False,
-                             classes=["cat", "bird", "airplane"], labels_unverified=True)
+                             classes=["cat", "bird", "airplane"], labels_unverified=True,
+                             shuffle_seed=None)
     s = read_split(tmp_path / "a" / "test")
     assert [(x["json"]["label"], x["json"]["clean"]) for x in s] == [(0, -1)] * 5 + [(2, -1)] * 5
     assert s[0]["json"]["key"] == "cat/0000.jpg"
@@ -393,6 +394,57 @@ def test_imagefolder_class_list_and_unverified_labels(jpeg_tree, tmp_path):
         imagefolder.convert(jpeg_tree, tmp_path / "c", classes=[*CLASSES, "zebra"],
                             progress=False)
     assert not (tmp_path / "c").exists()
+
+
+def test_imagefolder_per_class_subset_then_the_full_test_split(jpeg_tree, tmp_path):
+    """``per_class=N``: the first N files of each class, a class-balanced subset recorded in the
+    manifest; the other split converted in full into the same folder afterwards."""
+    out = tmp_path / "out"
+    ms = imagefolder.convert(jpeg_tree, out, splits=["train"], per_class=7, progress=False,
+                             shuffle_seed=None)
+    assert ms["train"].num_samples == 21 and ms["train"].source["per_class"] == 7
+    s = read_split(out / "train")
+    assert [x["json"]["key"] for x in s[6:8]] == ["airplane/0006.jpg", "bird/0000.jpg"]
+    assert [x["json"]["idx"] for x in s] == list(range(21))
+    assert np.bincount([x["json"]["label"] for x in s]).tolist() == [7, 7, 7]
+    ms = imagefolder.convert(jpeg_tree, out, splits=["test"], progress=False, shuffle_seed=None)
+    assert ms["test"].num_samples == 10 and "per_class" not in ms["test"].source
+    assert read_split(out / "train") == s  # untouched
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ShardError, match=f"per_class must be a positive integer, got {bad!r}"):
+            imagefolder.convert(jpeg_tree, tmp_path / "bad", per_class=bad, progress=False)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_imagefolder_writes_a_seeded_shuffle_so_every_shard_mixes_the_classes(jpeg_tree,
+                                                                            tmp_path):
+    """By default the class-by-class list is written in a seeded random order (idx = position
+    in it): every shard holds every class, the same seed gives the same bytes, another seed
+    another order; each image is written once, with its folder's label."""
+    ms = imagefolder.convert(jpeg_tree, tmp_path / "a", splits=["train"], shard_size=40,
+                             progress=False)
+    assert ms["train"].source["shuffle_seed"] == 0
+    a = read_split(tmp_path / "a" / "train")
+    assert [x["json"]["idx"] for x in a] == list(range(120))
+    keys = [x["json"]["key"] for x in a]
+    assert sorted(keys) == [f"{c}/{k:04d}.jpg" for c in CLASSES for k in range(40)]
+    assert keys != sorted(keys)
+    for x in a:
+        cls = x["json"]["key"].split("/")[0]
+        assert x["json"]["label"] == x["json"]["clean"] == CLASSES.index(cls)
+        assert x["jpg"] == (jpeg_tree / "train" / x["json"]["key"]).read_bytes()
+    for shard in range(3):  # class order would put one class in each 40-sample shard
+        labels = [x["json"]["label"] for x in a[40 * shard:40 * shard + 40]]
+        assert min(np.bincount(labels, minlength=3)) >= 5
+    imagefolder.convert(jpeg_tree, tmp_path / "b", splits=["train"], shard_size=40,
+                        progress=False)
+    assert split_bytes(tmp_path / "b" / "train") == split_bytes(tmp_path / "a" / "train")
+    imagefolder.convert(jpeg_tree, tmp_path / "c", splits=["train"], shard_size=40,
+                        progress=False, shuffle_seed=1)
+    other = [x["json"]["key"] for x in read_split(tmp_path / "c" / "train")]
+    assert other != keys and sorted(other) == sorted(keys)
+    with pytest.raises(ShardError, match="shuffle seed must be a non-negative integer, got -1"):
+        imagefolder.convert(jpeg_tree, tmp_path / "d", shuffle_seed=-1, progress=False)
 
 
 def test_imagefolder_order_on_the_full_cifar10_tree(shared_data):

@@ -85,7 +85,7 @@ def read_split(split_dir: Path) -> list[tuple[bytes, dict]]:
 
 def test_full_webvision_with_flickr_and_imagenet(tree, tmp_path):
     ms = webvision.convert(tree["root"], tmp_path, flickr=True, imagenet_val=tree["inet"],
-                           shard_size=16, progress=False)
+                           shard_size=16, progress=False, shuffle_seed=None)
     assert sorted(ms) == ["imagenet_val", "train", "val"]
     lists = tree["lists"]
     train = lists["google"] + lists["flickr"]
@@ -107,7 +107,7 @@ def test_full_webvision_with_flickr_and_imagenet(tree, tmp_path):
 
 def test_mini_keeps_labels_below_50_in_every_split(tree, tmp_path):
     ms = webvision.convert(tree["root"], tmp_path, mini=True, imagenet_val=tree["inet"],
-                           progress=False)
+                           progress=False, shuffle_seed=None)
     lists = tree["lists"]
     full = {"train": lists["google"], "val": lists["val"],  # Google only
             "imagenet_val": lists["imagenet_val"]}
@@ -127,8 +127,19 @@ def test_cli_webvision_mini_resizes_to_256(tree, tmp_path, capsys):
                      "--splits", "train", "--workers", "1", "--no-progress"]) == 0
     n = sum(lab < 50 for _, lab in tree["lists"]["google"])
     assert f"mini-webvision/train: {n} samples" in capsys.readouterr().out
-    sizes = {Image.open(io.BytesIO(img)).size for img, _ in read_split(out / "train")}
+    got = read_split(out / "train")
+    sizes = {Image.open(io.BytesIO(img)).size for img, _ in got}
     assert sizes == {(341, 256), (64, 48)}  # 400x300 -> short side 256; small kept
+    # the list goes class by class; the train split is written shuffled (seed 0) by default
+    listed = [(rel, lab) for rel, lab in tree["lists"]["google"] if lab < 50]
+    keys = [(m["key"], m["label"]) for _, m in got]
+    assert keys != listed and sorted(keys) == sorted(listed)
+    assert [m["idx"] for _, m in got] == list(range(n))
+    assert json.loads((out / "train" / "manifest.json").read_text())["source"]["shuffle_seed"] == 0
+    assert cli.main(["webvision", str(tree["root"]), "--out", str(tmp_path / "kept"), "--mini",
+                     "--splits", "train", "--workers", "1", "--no-progress",
+                     "--keep-order"]) == 0
+    assert [(m["key"], m["label"]) for _, m in read_split(tmp_path / "kept" / "train")] == listed
 
 
 def test_webvision_errors(tree, tmp_path):
