@@ -39,6 +39,9 @@ from pipeline.manifest import Manifest  # noqa: E402
 from pipeline.noise import format_transition  # noqa: E402
 
 
+_LCCN, _DIVIDE = LCCNConfig(), DivideConfig()
+
+
 @dataclass(frozen=True)
 class Preset:
     """A training recipe: a dataset's (the paper's Sec. 4.1.3, shared by every method that
@@ -61,24 +64,25 @@ class Preset:
     pretrain_epochs: int
     weight_decay: float
     warmup_steps: int
-    warmup: str = "anchor"
-    targets: str = "posterior"
-    ramp: float = 0.25
-    anneal: bool = False
+    # unless a recipe says otherwise, the library's defaults (LCCNConfig, DivideConfig)
+    warmup: str = _LCCN.warmup
+    targets: str = _LCCN.targets
+    ramp: float = _LCCN.ramp
+    anneal: bool = _LCCN.anneal
     milestones: tuple[int, ...] = ()
     lr_values: tuple[float, ...] = ()
     lr_decay: float = 0.1
-    alpha: float = 1.0
+    alpha: float = _LCCN.alpha
     pretrained: bool = False
     in_channels: int = 3
     note: str = ""
     method: str = "lccn"
     # DivideMix / DivideLCCN (DivideConfig)
-    mixmatch_alpha: float = 4.0
-    lambda_u: float = 25.0
-    p_threshold: float = 0.5
-    temperature: float = 0.5
-    conf_penalty: bool = False
+    mixmatch_alpha: float = _DIVIDE.mixmatch_alpha
+    lambda_u: float = _DIVIDE.lambda_u
+    p_threshold: float = _DIVIDE.p_threshold
+    temperature: float = _DIVIDE.temperature
+    conf_penalty: bool = _DIVIDE.conf_penalty
     source: str = ""
 
 

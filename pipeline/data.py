@@ -444,6 +444,34 @@ def loader_counters(stats: dict[str, int], *, all_reduce_sum: Callable[[torch.Te
     return dict(zip(keys, vals.tolist()))
 
 
+# converters whose source lists samples class by class -> the split that is (None: every split)
+CLASS_SORTED_SOURCES = {"shards.imagefolder": None, "shards.webvision": "train"}
+
+
+class ClassSortedShardsWarning(UserWarning):
+    """The training shards were written class by class (no ``shuffle_seed`` in the
+    manifest): the loader's shard shuffle and bounded sample buffer cannot mix a batch."""
+
+
+def warn_if_class_sorted(manifest: Manifest, *, where: str) -> bool:
+    """Warn (:class:`ClassSortedShardsWarning`, naming ``where``) and return True when the
+    manifest says its split was written in its source's class-by-class order: converted
+    with ``--keep-order``, or before the converters shuffled (no ``shuffle_seed``)."""
+    src = manifest.source or {}
+    conv = src.get("converter")
+    if conv not in CLASS_SORTED_SOURCES or src.get("shuffle_seed") is not None:
+        return False
+    split = CLASS_SORTED_SOURCES[conv]
+    if split is not None and manifest.split != split:
+        return False
+    warnings.warn(f"{where}: the shards of {manifest.dataset}/{manifest.split} hold their "
+                  f"samples class by class ({conv} without a shuffle seed), so most training "
+                  f"batches will hold one or two classes and the model will not learn; "
+                  f"convert again without --keep-order (the default writes a seeded random "
+                  f"order)", ClassSortedShardsWarning, stacklevel=2)
+    return True
+
+
 def check_label_view(label_view: LabelView | None, manifest: Manifest, *, where: str) -> None:
     """The view must cover exactly the split's samples and classes (``ValueError`` otherwise)."""
     if label_view is None:

@@ -344,11 +344,13 @@ class ShardSource:
     def __init__(self, *, train_source: str, test_source: str | None, view: LabelView,
                  loader_cfg: Any, rank: int, world_size: int,
                  held_out: np.ndarray | None) -> None:
-        from pipeline.data import load_manifest
+        from pipeline.data import load_manifest, warn_if_class_sorted
 
         self.train_source, self.test_source, self.view = train_source, test_source, view
         self.cfg, self.rank, self.world_size = loader_cfg, rank, world_size
         self.manifest = load_manifest(train_source, cfg=loader_cfg)
+        if rank == 0:
+            warn_if_class_sorted(self.manifest, where=str(train_source))
         self.test_manifest = (load_manifest(test_source, cfg=loader_cfg)
                               if test_source else None)
         self.held_out = held_out if held_out is not None and held_out.any() else None

@@ -550,3 +550,33 @@ def test_two_views_are_two_augmentations_of_the_same_samples(tmp_path, cifar_ima
     assert all(not torch.equal(b.images, b.images2) for b in two)
     with pytest.raises(ValueError, match="views must be 1 or 2"):
         make_train_loader(tmp_path / "train", view, cfg, rank=0, world_size=1, epoch=0, views=3)
+
+
+def test_class_sorted_training_shards_are_warned_about():
+    """Image-folder shards (every split) and WebVision's train split written in their list's
+    class-by-class order (``--keep-order``, or converted before the converters shuffled) draw
+    a warning naming the folder; shuffled ones, other splits and other converters do not."""
+    import warnings
+
+    from pipeline.data import ClassSortedShardsWarning, warn_if_class_sorted
+
+    shard = [ShardInfo(name="train-000000.tar", num_samples=1, sha256="0" * 64, bytes=1)]
+
+    def manifest(converter: str, split: str = "train", **src) -> Manifest:
+        return Manifest(dataset="d", split=split, classes=["a", "b"], shards=shard,
+                        source={"converter": converter, **src})
+
+    with pytest.warns(ClassSortedShardsWarning, match=r"/data/x: the shards of d/train hold "
+                      r"their samples class by class \(shards.imagefolder"):
+        assert warn_if_class_sorted(manifest("shards.imagefolder"), where="/data/x")
+    with pytest.warns(ClassSortedShardsWarning):
+        assert warn_if_class_sorted(manifest("shards.imagefolder", "test", shuffle_seed=None),
+                                    where="t")
+    with pytest.warns(ClassSortedShardsWarning):
+        assert warn_if_class_sorted(manifest("shards.webvision"), where="w")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not warn_if_class_sorted(manifest("shards.imagefolder", shuffle_seed=0), where="")
+        assert not warn_if_class_sorted(manifest("shards.webvision", "val"), where="")
+        assert not warn_if_class_sorted(manifest("shards.clothing1m"), where="")
+        assert not warn_if_class_sorted(manifest("shards.cifar"), where="")

@@ -54,6 +54,19 @@ def test_alpha_grid_is_the_papers_and_a_grid_for_tune():
     assert expected_trials(space, 2) == 16
 
 
+def test_the_alpha_space_is_the_papers_grid_alone_for_any_job():
+    """``--space alpha``: the ablation's 8 values and nothing else, so every other setting
+    is the job's own (its recipe and command line)."""
+    from tune import sweep
+
+    args = sweep.get_args_parser().parse_args(["--job", "cifar", "--space", "alpha"])
+    space = sweep.resolve_space(args)
+    assert space == {"lccn.alpha": {"grid": list(PAPER_ALPHAS)}}
+    assert sweep.expected_trials(space, 1) == 8
+    run = apply_point(RunConfig(), {"lccn.alpha": 1000.0})
+    assert run.lccn.alpha == 1000.0 and run.lccn.warmup == RunConfig().lccn.warmup
+
+
 def test_sampling_is_seeded():
     space = get_space("quickstart")
     assert sample_point(space, seed=3) == sample_point(space, seed=3)
