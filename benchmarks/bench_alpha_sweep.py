@@ -8,7 +8,8 @@ batch 128, 12 epochs with lr x0.1 after epochs 8 and 11, the first 4 cross-entro
 anchor warm-up for one epoch (74 steps), posterior targets, ramp 0.25; one Ray Train worker
 a trial, two trials at once on a 2-CPU machine. The sweep is ``python -m tune.sweep --job
 cifar --space alpha`` (the paper's grid 0.01 ... 1000, nothing else varied, FIFO: every
-trial runs out); a cross-entropy run of the same job and protocol is the reference. A
+trial runs out), one sweep per training seed (``--seeds``; the noise stays seed 0); a
+cross-entropy run of the same job, protocol and seed is the reference. A
 trial's row: its noisy-validation accuracy at the epoch it selects (what ranks it), clean
 test accuracy at the final epoch and at that selected epoch, the error of its learnt phi,
 and the label-issue report's R-precision (precision at k = the number of flipped labels):
@@ -19,8 +20,9 @@ model's out-of-sample probabilities.
     python benchmarks/bench_alpha_sweep.py --data SHARDS --out DIR [--write benchmarks/results/alpha_sweep.md]
     python benchmarks/bench_alpha_sweep.py --data SHARDS --out DIR --report-only --write ...
 
-``--out`` keeps the sweep (``DIR/sweep``: Tune, trials, MLflow) and the CE run (``DIR/ce``);
-run again with the same ``--out``, the sweep resumes and a finished one is only reported.
+``--out`` keeps the sweeps (``DIR/sweep``: Tune, trials, MLflow; named ``alpha-asym0.5``
+for seed 0, ``alpha-asym0.5-seed<S>`` for another) and the CE runs (``DIR/ce``); run again
+with the same ``--out``, an unfinished sweep resumes and a finished one is only reported.
 """
 
 from __future__ import annotations
@@ -53,21 +55,29 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", type=Path, required=True,
                    help="CIFAR-10 shards folder (train/ and test/)")
     p.add_argument("--out", type=Path, required=True, help="working folder (absolute)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1],
+                   help="training seeds: one sweep and one CE run each")
     p.add_argument("--report-only", action="store_true",
                    help="only read the finished sweep and CE run under --out")
     p.add_argument("--write", type=Path, default=None, help="write the table here (Markdown)")
     return p
 
 
-def sweep_argv(args: argparse.Namespace) -> list[str]:
+def sweep_name(seed: int) -> str:
+    return NAME if seed == 0 else f"{NAME}-seed{seed}"
+
+
+def sweep_argv(args: argparse.Namespace, seed: int) -> list[str]:
     return ["--job", "cifar", "--space", "alpha", "--num-samples", "1", "--scheduler", "fifo",
-            "--name", NAME, "--sweep-dir", str(args.out.resolve() / "sweep"), "--",
-            "--data", str(args.data.resolve()), *PROTOCOL]
+            "--name", sweep_name(seed), "--sweep-dir", str(args.out / "sweep"), "--",
+            "--data", str(args.data.resolve()), *PROTOCOL,
+            *([] if seed == 0 else ["--seed", str(seed)])]
 
 
-def ce_argv(args: argparse.Namespace) -> list[str]:
+def ce_argv(args: argparse.Namespace, seed: int) -> list[str]:
     return ["--data", str(args.data.resolve()), *PROTOCOL, "--method", "ce",
-            "--run-dir", str(args.out.resolve() / "ce"), "--run-name", "ce", "--no-tracking"]
+            "--seed", str(seed), "--run-dir", str(args.out / "ce"),
+            "--run-name", f"ce-seed{seed}", "--no-tracking"]
 
 
 def _rprec(summary: dict, split: str, method: str) -> float | None:
@@ -94,37 +104,51 @@ def run_row(summary: dict) -> dict:
             "seconds": summary["seconds"]}
 
 
-def collect(out: Path) -> tuple[list[dict], dict]:
-    """(one row per alpha, sorted, with the sweep's rank), the CE row."""
-    sweep = json.loads((out / "sweep" / f"{NAME}.json").read_text())
+def collect(out: Path, seed: int) -> tuple[list[dict], dict]:
+    """(the seed's rows, one per alpha, sorted, with the sweep's rank), its CE row."""
+    sweep = json.loads((out / "sweep" / f"{sweep_name(seed)}.json").read_text())
     rows = []
     for t in sweep["trials"]:
         res = out / "sweep" / "trials" / t["trial_id"] / "results" / f"{t['trial_id']}.json"
-        rows.append({"alpha": t["lccn.alpha"], "rank": t["rank"], "status": t["status"],
-                     **run_row(json.loads(res.read_text()))})
+        rows.append({"alpha": t["lccn.alpha"], "seed": seed, "rank": t["rank"],
+                     "status": t["status"], **run_row(json.loads(res.read_text()))})
     rows.sort(key=lambda r: r["alpha"])
-    ce = run_row(json.loads((out / "ce" / "results" / "ce.json").read_text()))
-    return rows, ce
+    ce = run_row(json.loads((out / "ce" / "results" / f"ce-seed{seed}.json").read_text()))
+    return rows, {"seed": seed, **ce}
 
 
-def _f(v, d: int = 2, scale: float = 100.0) -> str:
-    return "-" if v is None else f"{v * scale:.{d}f}"
+def _ms(values: list, d: int = 2, scale: float = 100.0) -> str:
+    """``mean ± std`` (population std over seeds; the value alone for one seed)."""
+    v = [x * scale for x in values if x is not None]
+    if not v:
+        return "-"
+    mean = sum(v) / len(v)
+    if len(v) == 1:
+        return f"{mean:.{d}f}"
+    std = math.sqrt(sum((x - mean) ** 2 for x in v) / len(v))
+    return f"{mean:.{d}f} ± {std:.{d}f}"
 
 
-def table(rows: list[dict], ce: dict) -> str:
-    lines = ["| α | rank (noisy val) | noisy val, selected epoch | test final / selected | "
-             "φ error | R-prec. train: LCCN | R-prec. val: LCCN / cleanlab |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['alpha']:g} | {r['rank']} | {_f(r['val_selected'])} (epoch "
-                     f"{r['epoch_selected'] + 1}) | {_f(r['test_final'])} / "
-                     f"{_f(r['test_selected'])} | {_f(r['phi_error'], 4, 1)} | "
-                     f"{_f(r['train_lccn'], 3, 1)} | {_f(r['val_lccn'], 3, 1)} / "
-                     f"{_f(r['val_cleanlab'], 3, 1)} |")
-    lines.append(f"| CE (no α) | - | {_f(ce['val_selected'])} (epoch "
-                 f"{ce['epoch_selected'] + 1}) | {_f(ce['test_final'])} / "
-                 f"{_f(ce['test_selected'])} | - | - | - |")
-    return "\n".join(lines) + "\n"
+def table(rows: list[dict], ces: list[dict]) -> str:
+    """Mean ± std over seeds per alpha (and CE), then the ranks of every seed's sweep."""
+    lines = ["| α | ranks (noisy val) | noisy val, selected | test final | test selected | "
+             "φ error | R-prec. train: LCCN | R-prec. val: LCCN | R-prec. val: cleanlab |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for a in sorted({r["alpha"] for r in rows}):
+        g = [r for r in rows if r["alpha"] == a]
+        col = lambda k: [r[k] for r in g]  # noqa: E731
+        lines.append(f"| {a:g} | {', '.join(str(r['rank']) for r in g)} | "
+                     f"{_ms(col('val_selected'))} | {_ms(col('test_final'))} | "
+                     f"{_ms(col('test_selected'))} | {_ms(col('phi_error'), 4, 1)} | "
+                     f"{_ms(col('train_lccn'), 3, 1)} | {_ms(col('val_lccn'), 3, 1)} | "
+                     f"{_ms(col('val_cleanlab'), 3, 1)} |")
+    lines.append(f"| CE (no α) | - | {_ms([c['val_selected'] for c in ces])} | "
+                 f"{_ms([c['test_final'] for c in ces])} | "
+                 f"{_ms([c['test_selected'] for c in ces])} | - | - | - | - |")
+    seeds = sorted({r["seed"] for r in rows})
+    return (f"Seeds {', '.join(map(str, seeds))}; test top-1 and noisy-validation accuracy in "
+            f"%, mean ± std over seeds; ranks: each seed's sweep ranking (1 = best noisy "
+            f"validation).\n\n" + "\n".join(lines) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -136,17 +160,23 @@ def main(argv: list[str] | None = None) -> None:
 
         from tune import sweep
 
-        done = args.out / "sweep" / f"{NAME}.json"
-        if not (done.is_file() and json.loads(done.read_text())["complete"]):
-            sweep.main(sweep_argv(args))
-        if not (args.out / "ce" / "results" / "ce.json").is_file():
-            cifar_lccn.main(ce_argv(args))
-    rows, ce = collect(args.out)
-    text = table(rows, ce)
+        for seed in args.seeds:
+            done = args.out / "sweep" / f"{sweep_name(seed)}.json"
+            if not (done.is_file() and json.loads(done.read_text())["complete"]):
+                sweep.main(sweep_argv(args, seed))
+            if not (args.out / "ce" / "results" / f"ce-seed{seed}.json").is_file():
+                cifar_lccn.main(ce_argv(args, seed))
+    rows, ces = [], []
+    for seed in args.seeds:
+        r, c = collect(args.out, seed)
+        rows += r
+        ces.append(c)
+    text = table(rows, ces)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     text += (f"\nMachine: {platform.machine()}, {os.cpu_count()} CPUs, load average {load:.1f} "
              f"at the end; sweep trials {min(r['seconds'] for r in rows):.0f}-"
-             f"{max(r['seconds'] for r in rows):.0f} s each, CE {ce['seconds']:.0f} s"
+             f"{max(r['seconds'] for r in rows):.0f} s each, CE "
+             f"{min(c['seconds'] for c in ces):.0f}-{max(c['seconds'] for c in ces):.0f} s"
              + ("" if args.report_only else f"; {time.perf_counter() - t0:.0f} s in all")
              + ".\n")
     print(text)

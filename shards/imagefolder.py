@@ -6,10 +6,10 @@ error). Within a class, image files are found recursively and sorted by their pa
 to the class folder. That class-then-file list is written in a seeded random order
 (``shuffle_seed``, 0 by default; recorded in the manifest's ``source["shuffle_seed"]``) with
 ``idx`` = the position in it, so that every shard mixes the classes
-(:func:`shards.writer.shuffled`); ``shuffle_seed=None`` keeps the list order. ``label`` = the class
-index; ``clean`` = the class index too (the folders are the dataset's labels), or ``-1`` with
-``labels_unverified=True`` (e.g. web-crawled folders). ``key`` = ``<class>/<file>``, relative
-to the split folder. Hidden files and files without an image extension are ignored (and
+(:func:`shards.writer.shuffled`); ``shuffle_seed=None`` keeps the list order. ``label`` =
+the class index; ``clean`` = the class index too (the folders are the dataset's labels), or
+``-1`` with ``labels_unverified=True`` (e.g. web-crawled folders). ``key`` =
+``<class>/<file>``, relative to the split folder. Hidden files and files without an image extension are ignored (and
 counted in the manifest's ``source["ignored_files"]``).
 
 For the CIFAR-10 JPEG tree (``train|test/<class>/NNNN.jpg``) this gives 50,000 train and
