@@ -10,7 +10,9 @@ a trial, two trials at once on a 2-CPU machine. The sweep is ``python -m tune.sw
 cifar --space alpha`` (the paper's grid 0.01 ... 1000, nothing else varied, FIFO: every
 trial runs out), one sweep per training seed (``--seeds``; the noise stays seed 0); a
 cross-entropy run of the same job, protocol and seed is the reference. A
-trial's row: its noisy-validation accuracy at the epoch it selects (what ranks it), clean
+trial's row: its noisy-validation accuracy at the epoch it selects (what ranks it), its
+noisy-validation NLL at the final epoch (``val_nll``: -log sum_k P(k|x) phi[k, observed] over
+the held-out split, the noisy labels' likelihood under the model and its learnt phi), clean
 test accuracy at the final epoch and at that selected epoch, the error of its learnt phi,
 and the label-issue report's R-precision (precision at k = the number of flipped labels):
 LCCN on the training split (the chain's posterior averaged over the last 5 epochs), LCCN and
@@ -87,12 +89,55 @@ def _rprec(summary: dict, split: str, method: str) -> float | None:
     return None
 
 
+def final_val_nll(summary: dict) -> float | None:
+    """The final epoch's ``val_nll``: from the run's history, or (a run from before the
+    engine reported it) recomputed from its last checkpoint: the held-out predictions the
+    label-issue report keeps and the chain's phi with alpha. None for a run without them."""
+    nll = summary["history"][-1].get("val_nll")
+    if nll is not None:
+        return nll
+    import numpy as np
+    import torch
+
+    from pipeline.confusion import transition
+    from pipeline.label_issues import STATE_KEY, _chain0
+
+    ckpts = sorted(Path(summary["run_dir"], "train", summary["run_name"]).glob(
+        "checkpoint_*/state.pt"))
+    if not ckpts:
+        return None
+    state = torch.load(ckpts[-1], map_location="cpu", weights_only=False)
+    rep = _find(state, STATE_KEY)
+    if not rep or rep.get("heldout") is None or state.get("store") is None:
+        return None
+    chain = _chain0(state["store"])
+    phi = transition(torch.as_tensor(chain["counts"]),
+                     torch.as_tensor(rep["alpha"], dtype=torch.float64)).numpy()
+    idx = np.asarray(rep["heldout"]["idx"])
+    probs = np.asarray(rep["heldout"]["probs"], dtype=np.float64)
+    obs = np.asarray(chain["observed"])[idx]
+    q = (probs * phi[:, obs].T).sum(1)
+    return float(-np.log(np.clip(q, 1e-12, None)).mean())
+
+
+def _find(obj, key: str):
+    if isinstance(obj, dict):
+        if key in obj:
+            return obj[key]
+        for v in obj.values():
+            got = _find(v, key)
+            if got is not None:
+                return got
+    return None
+
+
 def run_row(summary: dict) -> dict:
     """The figures of one run's summary JSON (``<run-dir>/results/<run>.json``)."""
     hist = summary["history"]
     sel = summary["selected"] or {}
     err = summary["metrics"].get("transition_error")
     return {"test_final": hist[-1]["test_top1"], "val_selected": sel.get("val_top1"),
+            "val_nll_final": final_val_nll(summary),
             "test_selected": sel.get("test_top1"), "epoch_selected": sel.get("epoch"),
             "phi_error": err if err is not None and math.isfinite(err) else None,
             "train_lccn": _rprec(summary, "train", "lccn"),
@@ -131,18 +176,21 @@ def _ms(values: list, d: int = 2, scale: float = 100.0) -> str:
 
 def table(rows: list[dict], ces: list[dict]) -> str:
     """Mean ± std over seeds per alpha (and CE), then the ranks of every seed's sweep."""
-    lines = ["| α | ranks (noisy val) | noisy val, selected | test final | test selected | "
-             "φ error | R-prec. train: LCCN | R-prec. val: LCCN | R-prec. val: cleanlab |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| α | ranks (noisy val) | noisy val, selected | noisy-val NLL, final | "
+             "test final | test selected | φ error | R-prec. train: LCCN | "
+             "R-prec. val: LCCN | R-prec. val: cleanlab |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for a in sorted({r["alpha"] for r in rows}):
         g = [r for r in rows if r["alpha"] == a]
         col = lambda k: [r[k] for r in g]  # noqa: E731
         lines.append(f"| {a:g} | {', '.join(str(r['rank']) for r in g)} | "
-                     f"{_ms(col('val_selected'))} | {_ms(col('test_final'))} | "
+                     f"{_ms(col('val_selected'))} | {_ms(col('val_nll_final'), 3, 1)} | "
+                     f"{_ms(col('test_final'))} | "
                      f"{_ms(col('test_selected'))} | {_ms(col('phi_error'), 4, 1)} | "
                      f"{_ms(col('train_lccn'), 3, 1)} | {_ms(col('val_lccn'), 3, 1)} | "
                      f"{_ms(col('val_cleanlab'), 3, 1)} |")
     lines.append(f"| CE (no α) | - | {_ms([c['val_selected'] for c in ces])} | "
+                 f"{_ms([c['val_nll_final'] for c in ces], 3, 1)} | "
                  f"{_ms([c['test_final'] for c in ces])} | "
                  f"{_ms([c['test_selected'] for c in ces])} | - | - | - | - |")
     seeds = sorted({r["seed"] for r in rows})

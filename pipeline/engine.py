@@ -727,28 +727,37 @@ class Engine:
         """All-reduce (sum) a CPU tensor over ranks; returns it on the CPU."""
         return self.session.all_reduce_sum(t.to(self.device)).cpu()
 
-    def score(self, batches: Iterable[Any] | None, member: int = 0) -> dict[str, float]:
-        """top1/top5 (clean labels of ``batches``) of a member, over every rank's share."""
+    def score(self, batches: Iterable[Any] | None, member: int = 0, *,
+              noisy: bool = False) -> dict[str, float]:
+        """top1/top5/nll (the labels of ``batches``; ``noisy``: observed labels, nll through
+        the method's noise model) of a member, over every rank's share."""
+        nan = float("nan")
         if batches is None:
-            return {"top1": float("nan"), "top5": float("nan"), "n": 0.0}
+            return {"top1": nan, "top5": nan, "nll": nan, "n": 0.0}
         model = self.members[member].eval_model
         it = iter(batches)
         first = next(it, None)
-        ev = ({"top1": float("nan"), "top5": float("nan"), "n": 0.0} if first is None else
-              self.method.evaluate(model, itertools.chain([first], it)))
+        ev = ({"top1": nan, "top5": nan, "nll": nan, "n": 0.0} if first is None else
+              self.method.evaluate(model, itertools.chain([first], it), noisy=noisy))
         if self.session.world_size == 1:
             return ev
         n = ev["n"]
-        vals = torch.tensor([0.0 if n == 0 else ev["top1"] * n,
-                             0.0 if n == 0 else ev["top5"] * n, n], dtype=torch.float64)
-        t1, t5, n = self.reduce_cpu(vals).tolist()
-        return {"top1": t1 / n if n else float("nan"), "top5": t5 / n if n else float("nan"),
-                "n": n}
+        vals = torch.tensor([0.0 if n == 0 else ev[k] * n for k in ("top1", "top5", "nll")]
+                            + [n], dtype=torch.float64)
+        t1, t5, nll, n = self.reduce_cpu(vals).tolist()
+        return {"top1": t1 / n if n else nan, "top5": t5 / n if n else nan,
+                "nll": nll / n if n else nan, "n": n}
+
+    def val_scores(self) -> dict[str, float]:
+        """On the noisy validation split, against its observed labels (NaN without one):
+        ``top1`` and ``nll``, the held-out negative log-likelihood of the observed labels
+        under the model and the method's noise model (:meth:`Method.noise_model`)."""
+        return self.score(self.data.val_batches(), noisy=True)
 
     def val_top1(self) -> float:
         """Accuracy on the noisy validation split against its observed labels (NaN
         without one)."""
-        return self.score(self.data.val_batches())["top1"]
+        return self.val_scores()["top1"]
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -881,7 +890,8 @@ class Engine:
             m.scheduler.step()
         row = _epoch_row(stats, session, epoch=epoch, global_step=self.global_step,
                          lr=self.members[0].optimizer.param_groups[0]["lr"], phase=phase)
-        row["val_top1"] = self.val_top1()
+        val = self.val_scores()
+        row["val_top1"], row["val_nll"] = val["top1"], val["nll"]
         test = self.data.test_batches()
         if test is not None:
             ev = self.score(test)

@@ -169,17 +169,40 @@ def predict(model: nn.Module, batches: Iterable[Any], *, device: torch.device | 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: Iterable[Any], *, num_classes: int,
-             device: torch.device | str = "cpu") -> dict[str, float]:
-    """Clean top-1 / top-5 accuracy over samples with a clean label in ``[0, K)``.
+             device: torch.device | str = "cpu", noise: Tensor | None = None
+             ) -> dict[str, float]:
+    """Top-1 / top-5 accuracy over samples with a label (the batches' ``clean``) in
+    ``[0, K)``, and ``nll``: the mean of ``-log P(label | x)`` where ``P(label | x) =
+    sum_k P(k | x) noise[k, label]``, the model's prediction of an *observed* label through
+    ``noise (K_latent, K)`` (rows P(observed | latent): a method's noise model; None: the
+    identity, ``P(label | x)`` itself). On the noisy validation split (labels = the observed
+    ones) ``nll`` is the held-out likelihood of the noisy labels under the whole model.
 
     For a K+1-way model (LCCN*) the outlier logit is left out of the ranking.
     """
     probs, _, clean = predict(model, batches, device=device)
     keep = (clean >= 0) & (clean < num_classes)
-    probs, clean = probs[keep, :num_classes], clean[keep]
+    full, clean = probs[keep], clean[keep]
+    probs = full[:, :num_classes]
     if clean.numel() == 0:
-        return {"top1": float("nan"), "top5": float("nan"), "n": 0.0}
+        return {"top1": float("nan"), "top5": float("nan"), "nll": float("nan"), "n": 0.0}
     topk = probs.topk(min(5, num_classes), dim=1).indices
     top1 = (topk[:, 0] == clean).float().mean()
     top5 = (topk == clean.unsqueeze(1)).any(1).float().mean()
-    return {"top1": float(top1), "top5": float(top5), "n": float(clean.numel())}
+    return {"top1": float(top1), "top5": float(top5), "nll": noisy_nll_of(full, clean, noise),
+            "n": float(clean.numel())}
+
+
+def noisy_nll_of(probs: Tensor, labels: Tensor, noise: Tensor | None) -> float:
+    """Mean ``-log sum_k probs[i, k] noise[k, labels[i]]`` (``noise`` None: the identity
+    over the first K columns, K = the labels' range); probabilities floored at 1e-12."""
+    p = probs.to(torch.float64)
+    if noise is None:
+        q = p.gather(1, labels.long().unsqueeze(1))[:, 0]
+    else:
+        t = noise.to(torch.float64).cpu()
+        if t.shape[0] != p.shape[1]:
+            raise ValueError(f"noise model has {t.shape[0]} latent rows, the model "
+                             f"{p.shape[1]} outputs")
+        q = (p * t[:, labels.long()].T).sum(1)
+    return float(-q.clamp_min(1e-12).log().mean())

@@ -80,6 +80,7 @@ def test_each_baseline_beats_chance_on_noisy_digits(method, noisy_digits, one_th
     for r in hist:
         assert {"loss", "val_top1", "test_top1", "transition_error", "label_recovery"} <= set(r)
         assert np.isfinite(r["loss"]) and np.isfinite(r["val_top1"])
+        assert 0 < r["val_nll"] < 10  # through the method's T where it has one
     assert hist[-1]["test_top1"] > 0.6, [r["test_top1"] for r in hist]
     assert hist[-1]["val_top1"] > 0.5
     errors = [r["transition_error"] for r in hist]
@@ -319,3 +320,42 @@ def test_jobs_refuse_a_bad_transition_file_before_ray(tmp_path):
     run = common.run_config(args)
     assert run.method == "trevision" and run.baseline == BaselineConfig(
         bootstrap_beta=0.7, transition="eq8", revision_fraction=0.25)
+
+
+def test_noisy_nll_goes_through_the_noise_model():
+    """``val_nll``'s maths: -log sum_k P(k|x) T[k, y] (the identity: -log P(y|x)); a model
+    that predicts the clean class scores the flipped labels well only through T."""
+    import math
+
+    from pipeline.loop import noisy_nll_of
+
+    probs = torch.tensor([[0.9, 0.1], [0.2, 0.8]], dtype=torch.float64)
+    labels = torch.tensor([0, 0])
+    assert noisy_nll_of(probs, labels, None) == pytest.approx(-(math.log(0.9) + math.log(0.2)) / 2)
+    t = torch.tensor([[1.0, 0.0], [0.5, 0.5]], dtype=torch.float64)  # class 1 -> 0 half the time
+    q = (0.9 * 1.0 + 0.1 * 0.5, 0.2 * 1.0 + 0.8 * 0.5)
+    assert noisy_nll_of(probs, labels, t) == pytest.approx(-(math.log(q[0]) + math.log(q[1])) / 2)
+    assert noisy_nll_of(probs, labels, t) < noisy_nll_of(probs, labels, None)
+    assert math.isfinite(noisy_nll_of(torch.tensor([[1.0, 0.0]]), torch.tensor([1]), None))
+    with pytest.raises(ValueError, match="noise model has 3 latent rows, the model 2 outputs"):
+        noisy_nll_of(probs, labels, torch.ones(3, 2) / 2)
+
+
+def test_lccn_val_nll_is_the_noisy_labels_likelihood_through_its_phi(noisy_digits, one_thread):
+    """The engine's ``val_nll`` of an LCCN run: the held-out observed labels' mean
+    -log sum_k P(k|x) phi[k, y] with the chain's phi (with alpha), recomputed here from the
+    final model and the labeler's counts; before the noise phase, the identity."""
+    from pipeline.confusion import transition
+    from pipeline.loop import noisy_nll_of, predict
+
+    train, test = noisy_digits
+    trainer = LocalTrainer(_run("lccn", epochs=4), train, test)
+    hist = trainer.fit()
+    assert all(np.isfinite(r["val_nll"]) for r in hist)
+    eng = trainer.engine
+    probs, idx, labels = predict(eng.members[0].eval_model, eng.data.val_batches())
+    lab = trainer.labeler
+    phi = transition(lab.counts, lab.alpha)
+    assert hist[-1]["val_nll"] == pytest.approx(noisy_nll_of(probs, labels, phi), rel=1e-6)
+    assert torch.equal(trainer.method.noise_model(), phi)
+    assert hist[-1]["val_nll"] != pytest.approx(noisy_nll_of(probs, labels, None), rel=1e-3)

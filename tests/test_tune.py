@@ -147,6 +147,18 @@ def test_ranking_uses_validation_not_test_accuracy():
     assert rows[2]["status"] == "stopped early" and rows[2][TIME_ATTR] == 1
 
 
+def test_the_table_carries_val_nll_of_the_selected_and_the_last_epoch():
+    t = _trial("a", [(0.6, 0.7), (0.8, 0.75), (0.7, 0.9)])
+    for row, nll in zip(t["history"], (1.3, 1.1, 1.2)):
+        row["val_nll"] = nll
+    row = results.rank_trials([t, _trial("b", [(0.5, 0.9)])])[0]
+    assert (row["val_nll"], row["last_val_nll"]) == (1.1, 1.2)
+    md = results.to_markdown([row])
+    header = next(line for line in md.splitlines() if line.startswith("| rank"))
+    assert "| val_nll |" in header and "| last_val_nll |" in header
+    assert "lower is better" in md and "| 1.1000 |" in md
+
+
 def test_ranking_keeps_trials_without_validation_last_and_dedups_resumed_epochs():
     trials = [_trial("x", [(float("nan"), 0.9)]),
               {"trial_id": "y", "config": {}, "status": "finished",

@@ -18,7 +18,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tune.search_spaces import METRIC, MODE, REPORTED_BESIDE, TIME_ATTR
+from tune.search_spaces import METRIC, MODE, REPORTED_BESIDE, TIME_ATTR, VAL_NLL
 
 
 def _finite(v: Any) -> bool:
@@ -45,17 +45,18 @@ def selected(history: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
     if not rows:
         return None
     best = max(rows, key=lambda r: (float(r[METRIC]), -int(r[TIME_ATTR])))
-    test = best.get(REPORTED_BESIDE)
+    test, nll = best.get(REPORTED_BESIDE), best.get(VAL_NLL)
     return {"epoch": int(best[TIME_ATTR]), METRIC: float(best[METRIC]),
-            REPORTED_BESIDE: float(test) if _finite(test) else None}
+            REPORTED_BESIDE: float(test) if _finite(test) else None,
+            VAL_NLL: float(nll) if _finite(nll) else None}
 
 
 def rank_trials(trials: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """``trials`` (dicts with ``trial_id``, ``config``, ``status``, ``history``: the per-epoch
     results) as table rows, best first: ``rank`` (None for a trial with no validation
     result, listed last), ``trial_id``, ``status``, ``epochs_done``, the config keys,
-    ``val_top1`` and ``test_top1`` of the selected epoch, ``selected_epoch``, and the last
-    epoch's ``last_val_top1`` and ``last_test_top1``."""
+    ``val_top1``, ``test_top1`` and ``val_nll`` of the selected epoch, ``selected_epoch``,
+    and the last epoch's ``last_val_top1``, ``last_test_top1`` and ``last_val_nll``."""
     rows = []
     for t in trials:
         hist = epoch_rows(t.get("history") or [])
@@ -66,10 +67,10 @@ def rank_trials(trials: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         row.update(dict(t.get("config") or {}))
         row.update({METRIC: None if sel is None else sel[METRIC],
                     REPORTED_BESIDE: None if sel is None else sel[REPORTED_BESIDE],
-                    "selected_epoch": None if sel is None else sel["epoch"],
-                    f"last_{METRIC}": float(last[METRIC]) if _finite(last.get(METRIC)) else None,
-                    f"last_{REPORTED_BESIDE}": (float(last[REPORTED_BESIDE])
-                                                if _finite(last.get(REPORTED_BESIDE)) else None)})
+                    VAL_NLL: None if sel is None else sel[VAL_NLL],
+                    "selected_epoch": None if sel is None else sel["epoch"]})
+        for key in (METRIC, REPORTED_BESIDE, VAL_NLL):
+            row[f"last_{key}"] = float(last[key]) if _finite(last.get(key)) else None
         rows.append(row)
     ranked = sorted((r for r in rows if r[METRIC] is not None),
                     key=lambda r: (-r[METRIC], str(r["trial_id"])))
@@ -83,8 +84,8 @@ def columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     """Column order of the table: rank, trial, status, epochs, the config keys (sorted),
     then the accuracies."""
     head = ["rank", "trial_id", "status", TIME_ATTR]
-    tail = [METRIC, REPORTED_BESIDE, "selected_epoch", f"last_{METRIC}",
-            f"last_{REPORTED_BESIDE}"]
+    tail = [METRIC, REPORTED_BESIDE, VAL_NLL, "selected_epoch", f"last_{METRIC}",
+            f"last_{REPORTED_BESIDE}", f"last_{VAL_NLL}"]
     keys = sorted({k for r in rows for k in r} - set(head) - set(tail))
     return head + keys + tail
 
@@ -115,7 +116,9 @@ def to_markdown(rows: Sequence[Mapping[str, Any]], *, title: str = "") -> str:
     lines = [f"# {title}", ""] if title else []
     lines.append(f"Ranked by {METRIC} ({MODE}) of each trial's selected epoch (highest "
                  f"noisy-validation accuracy); {REPORTED_BESIDE} is that epoch's clean test "
-                 f"accuracy, reported only.")
+                 f"accuracy, reported only; {VAL_NLL} the held-out negative log-likelihood "
+                 f"of the noisy labels under the model and its noise model (lower is "
+                 f"better).")
     lines.append("")
     lines.append("| " + " | ".join(cols) + " |")
     lines.append("|" + "|".join("---" for _ in cols) + "|")

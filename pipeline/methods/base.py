@@ -21,11 +21,13 @@ calls the method at fixed points of every epoch::
                                      (row given at an epoch end: health, monitor)
     epoch_stats()                    extra per-rank row entries
     current_transition()             a chain-free method's transition (MLflow), or None
+    noise_model()                    P(observed | latent) for val_nll (default: the above)
     state_dict() / load_state_dict() what a checkpoint carries beyond the members
     final_files()                    rank 0, at the run's last moment: {file name: text}
                                      written next to the run's outputs, into the final
                                      checkpoint and to MLflow (LCCN*: outliers.csv)
-    evaluate(model, batches)         top1/top5/n over batches with clean labels
+    evaluate(model, batches, noisy)  top1/top5/nll/n over the batches' labels (noisy: the
+                                     observed ones, nll through noise_model())
 
 Every method runs on every rank; collectives (``engine.session``, ``engine.reduce_cpu``,
 :func:`pipeline.engine.all_gather_rows`) must be called by all ranks alike.
@@ -143,5 +145,15 @@ class Method:
 
     # -- evaluation -----------------------------------------------------------------------------
 
-    def evaluate(self, model: nn.Module, batches: Iterable[Any]) -> dict[str, float]:
-        return evaluate(model, batches, num_classes=self.num_classes, device=self.engine.device)
+    def noise_model(self) -> Tensor | None:
+        """The method's current ``P(observed | latent)``, ``(K_latent, K)``, through which its
+        model predicts an observed label (the noisy validation likelihood ``val_nll``); by
+        default :meth:`current_transition`, None (the identity) without one."""
+        return self.current_transition()
+
+    def evaluate(self, model: nn.Module, batches: Iterable[Any], *,
+                 noisy: bool = False) -> dict[str, float]:
+        """top1/top5 of ``model`` on the batches' labels and ``nll``; ``noisy``: the labels
+        are observed ones, ``nll`` goes through :meth:`noise_model`."""
+        return evaluate(model, batches, num_classes=self.num_classes, device=self.engine.device,
+                        noise=self.noise_model() if noisy else None)

@@ -48,7 +48,7 @@ from pipeline.divide import (co_divide, co_guess, co_refine, co_refine_lccn, con
                              lccn_posterior, linear_rampup, mixmatch, semi_loss,
                              transition_columns, uniform_prior_penalty)
 from pipeline.engine import all_gather_rows, transition_error
-from pipeline.loop import _lookahead, predict
+from pipeline.loop import _lookahead, noisy_nll_of, predict
 from pipeline.methods.base import Method, register
 from pipeline.monitor import CollapseMonitor, chain_health
 from pipeline.warmup import estimate_phi_init, initial_assignment
@@ -324,15 +324,18 @@ class DivideMix(Method):
     # -- evaluation -----------------------------------------------------------------------------
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, batches: Iterable[Any]) -> dict[str, float]:
-        """top1/top5 over clean labels of the two-network ensemble (classes ranked by the
-        sum of both networks' logits); ``model`` (the engine passes network 0) is not
-        used alone."""
+    def evaluate(self, model: nn.Module, batches: Iterable[Any], *,
+                 noisy: bool = False) -> dict[str, float]:
+        """top1/top5 over the batches' labels of the two-network ensemble (classes ranked by
+        the sum of both networks' logits) and ``nll`` of the labels under the mean of the
+        two softmaxes (no noise model: the ensemble predicts a label itself, ``noisy``
+        changes nothing); ``model`` (the engine passes network 0) is not used alone."""
         dev = self.engine.device
         nets = [m.eval_model for m in self.members]
         for m in self.members:
             m.model.eval()
         hit1 = hit5 = total = 0
+        nll = 0.0
         for b in batches:
             keep = b.valid & (b.clean >= 0) & (b.clean < self.num_classes)
             if not keep.any():
@@ -340,11 +343,16 @@ class DivideMix(Method):
             x = b.images.to(dev, non_blocking=True)
             kd = keep.to(dev)
             l1, l2 = (net(x).float()[kd, :self.num_classes] for net in nets)
-            hits = ensemble_topk(l1, l2, b.clean[keep].to(dev), ks=(1, 5))
-            hit1, hit5, total = hit1 + hits[1], hit5 + hits[5], total + int(keep.sum())
+            labels = b.clean[keep].to(dev)
+            hits = ensemble_topk(l1, l2, labels, ks=(1, 5))
+            n = int(keep.sum())
+            p = (torch.softmax(l1, 1) + torch.softmax(l2, 1)).cpu() / 2
+            nll += noisy_nll_of(p, labels.cpu(), None) * n
+            hit1, hit5, total = hit1 + hits[1], hit5 + hits[5], total + n
         if total == 0:
-            return {"top1": float("nan"), "top5": float("nan"), "n": 0.0}
-        return {"top1": hit1 / total, "top5": hit5 / total, "n": float(total)}
+            return {"top1": float("nan"), "top5": float("nan"), "nll": float("nan"), "n": 0.0}
+        return {"top1": hit1 / total, "top5": hit5 / total, "nll": nll / total,
+                "n": float(total)}
 
 
 class _Acc:

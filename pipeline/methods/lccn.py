@@ -219,6 +219,13 @@ class LCCN(Method):
         if self.outlier_mean is not None:  # every rank at every moment: a collective
             self.outlier_mean.merge(self.engine.session)
 
+    def noise_model(self) -> Tensor | None:
+        """The chain's phi from this rank's replica of C (None in the CE phase, where the
+        classifier predicts the observed labels itself)."""
+        if self.labeler is None:
+            return None
+        return transition(self.labeler.counts.cpu(), self.labeler.alpha.cpu())
+
     def epoch_stats(self) -> dict[str, float]:
         return {"staleness_max": float(getattr(self.labeler, "max_staleness", 0))
                 if self.labeler is not None else 0.0}
