@@ -147,6 +147,29 @@ def test_ranking_uses_validation_not_test_accuracy():
     assert rows[2]["status"] == "stopped early" and rows[2][TIME_ATTR] == 1
 
 
+def test_ranking_by_val_nll_takes_the_lowest_and_never_the_test_accuracy():
+    """``--metric val_nll``: each trial's epoch of lowest val_nll, trials ranked by it
+    ascending; the test accuracy is refused as a ranking metric."""
+    from tune import sweep
+
+    a = _trial("a", [(0.60, 0.50), (0.70, 0.52)])  # the better noisy accuracy ...
+    b = _trial("b", [(0.55, 0.58), (0.50, 0.60)])  # ... the better likelihood and test
+    for t, nlls in ((a, (1.4, 1.3)), (b, (1.1, 1.2))):
+        for row, nll in zip(t["history"], nlls):
+            row["val_nll"] = nll
+    assert [r["trial_id"] for r in results.rank_trials([a, b])] == ["a", "b"]
+    rows = results.rank_trials([a, b], "val_nll")
+    assert [(r["trial_id"], r["rank"], r["val_nll"], r["selected_epoch"]) for r in rows] == [
+        ("b", 1, 1.1, 1), ("a", 2, 1.3, 2)]
+    assert rows[0][REPORTED_BESIDE] == 0.58  # the selected epoch's, not the best test epoch's
+    assert "Ranked by val_nll (min)" in results.to_markdown(rows, metric="val_nll")
+    with pytest.raises(ValueError, match="not 'test_top1'"):
+        results.rank_trials([a, b], "test_top1")
+    assert sweep.get_args_parser().parse_args(["--metric", "val_nll"]).metric == "val_nll"
+    with pytest.raises(SystemExit):
+        sweep.get_args_parser().parse_args(["--metric", "test_top1"])
+
+
 def test_the_table_carries_val_nll_of_the_selected_and_the_last_epoch():
     t = _trial("a", [(0.6, 0.7), (0.8, 0.75), (0.7, 0.9)])
     for row, nll in zip(t["history"], (1.3, 1.1, 1.2)):
@@ -324,6 +347,8 @@ def test_sweep_reports_every_epoch_and_asha_stops_the_weak_trial(interrupted_swe
     trial_df = next(v for k, v in df.items() if k.endswith(first["trial_id"]))
     assert sorted(set(trial_df[TIME_ATTR].dropna().astype(int))) == [1, 2, 3]
     assert trial_df[METRIC].notna().all() and trial_df[REPORTED_BESIDE].notna().all()
+    assert trial_df["val_nll"].notna().all() and (trial_df["val_nll"] > 0).all()
+    assert all(r["val_nll"] is not None for r in finished)  # in the table too
 
 
 def test_sweep_ranks_by_noisy_validation(interrupted_sweep):

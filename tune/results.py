@@ -1,7 +1,8 @@
 """A sweep's results: the ranking of its trials and the table and plot of them.
 
-Trials are ranked by their *selected* epoch: the epoch with the highest noisy-validation
-accuracy ``val_top1`` (accuracy on the held-out split against its observed labels, what a
+Trials are ranked by their *selected* epoch (``--metric val_nll``: the lowest held-out
+negative log-likelihood of the noisy labels instead): the epoch with the highest
+noisy-validation accuracy ``val_top1`` (accuracy on the held-out split against its observed labels, what a
 user with noisy data has; the first such epoch on ties, as
 :func:`pipeline.engine.select_epoch`). The clean test accuracy of that same epoch,
 ``test_top1``, is reported beside it and never used to rank. A trial stopped early by the
@@ -18,7 +19,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tune.search_spaces import METRIC, MODE, REPORTED_BESIDE, TIME_ATTR, VAL_NLL
+from tune.search_spaces import METRIC, RANKING, REPORTED_BESIDE, TIME_ATTR, VAL_NLL
 
 
 def _finite(v: Any) -> bool:
@@ -38,29 +39,41 @@ def epoch_rows(history: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return [by_epoch[e] for e in sorted(by_epoch)]
 
 
-def selected(history: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
-    """The epoch a user keeps: highest ``val_top1`` (first on ties), with its ``test_top1``;
-    None when no epoch has a finite ``val_top1``."""
-    rows = [r for r in epoch_rows(history) if _finite(r.get(METRIC))]
+def _sign(metric: str) -> float:
+    if metric not in RANKING:
+        raise ValueError(f"a sweep ranks by one of {sorted(RANKING)} (noisy validation), "
+                         f"not {metric!r}")
+    return 1.0 if RANKING[metric] == "max" else -1.0
+
+
+def selected(history: Sequence[Mapping[str, Any]], metric: str = METRIC
+             ) -> dict[str, Any] | None:
+    """The epoch a user keeps: the best ``metric`` (``val_top1``: highest, ``val_nll``:
+    lowest; first on ties), with its ``val_top1``, ``test_top1`` and ``val_nll``; None when
+    no epoch has a finite ``metric``."""
+    sign = _sign(metric)
+    rows = [r for r in epoch_rows(history) if _finite(r.get(metric))]
     if not rows:
         return None
-    best = max(rows, key=lambda r: (float(r[METRIC]), -int(r[TIME_ATTR])))
-    test, nll = best.get(REPORTED_BESIDE), best.get(VAL_NLL)
-    return {"epoch": int(best[TIME_ATTR]), METRIC: float(best[METRIC]),
-            REPORTED_BESIDE: float(test) if _finite(test) else None,
-            VAL_NLL: float(nll) if _finite(nll) else None}
+    best = max(rows, key=lambda r: (sign * float(r[metric]), -int(r[TIME_ATTR])))
+    out: dict[str, Any] = {"epoch": int(best[TIME_ATTR])}
+    for key in (METRIC, REPORTED_BESIDE, VAL_NLL):
+        out[key] = float(best[key]) if _finite(best.get(key)) else None
+    return out
 
 
-def rank_trials(trials: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def rank_trials(trials: Sequence[Mapping[str, Any]], metric: str = METRIC
+                ) -> list[dict[str, Any]]:
     """``trials`` (dicts with ``trial_id``, ``config``, ``status``, ``history``: the per-epoch
-    results) as table rows, best first: ``rank`` (None for a trial with no validation
-    result, listed last), ``trial_id``, ``status``, ``epochs_done``, the config keys,
+    results) as table rows, best first by ``metric`` of the selected epoch (``val_top1`` or
+    ``val_nll``, :func:`selected`): ``rank`` (None for a trial with no validation result,
+    listed last), ``trial_id``, ``status``, ``epochs_done``, the config keys,
     ``val_top1``, ``test_top1`` and ``val_nll`` of the selected epoch, ``selected_epoch``,
     and the last epoch's ``last_val_top1``, ``last_test_top1`` and ``last_val_nll``."""
     rows = []
     for t in trials:
         hist = epoch_rows(t.get("history") or [])
-        sel = selected(hist)
+        sel = selected(hist, metric)
         last = hist[-1] if hist else {}
         row = {"rank": None, "trial_id": t["trial_id"], "status": t.get("status", ""),
                TIME_ATTR: int(last[TIME_ATTR]) if hist else 0}
@@ -72,11 +85,12 @@ def rank_trials(trials: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         for key in (METRIC, REPORTED_BESIDE, VAL_NLL):
             row[f"last_{key}"] = float(last[key]) if _finite(last.get(key)) else None
         rows.append(row)
-    ranked = sorted((r for r in rows if r[METRIC] is not None),
-                    key=lambda r: (-r[METRIC], str(r["trial_id"])))
+    sign = _sign(metric)
+    ranked = sorted((r for r in rows if r[metric] is not None),
+                    key=lambda r: (-sign * r[metric], str(r["trial_id"])))
     for i, r in enumerate(ranked):
         r["rank"] = i + 1
-    return ranked + sorted((r for r in rows if r[METRIC] is None),
+    return ranked + sorted((r for r in rows if r[metric] is None),
                            key=lambda r: str(r["trial_id"]))
 
 
@@ -110,15 +124,16 @@ def to_csv(rows: Sequence[Mapping[str, Any]]) -> str:
     return buf.getvalue()
 
 
-def to_markdown(rows: Sequence[Mapping[str, Any]], *, title: str = "") -> str:
-    """The table as a Markdown pipe table (floats to 4 decimals), ranked by ``val_top1``."""
+def to_markdown(rows: Sequence[Mapping[str, Any]], *, title: str = "",
+                metric: str = METRIC) -> str:
+    """The table as a Markdown pipe table (floats to 4 decimals), ranked by ``metric``."""
     cols = columns(rows)
     lines = [f"# {title}", ""] if title else []
-    lines.append(f"Ranked by {METRIC} ({MODE}) of each trial's selected epoch (highest "
-                 f"noisy-validation accuracy); {REPORTED_BESIDE} is that epoch's clean test "
-                 f"accuracy, reported only; {VAL_NLL} the held-out negative log-likelihood "
-                 f"of the noisy labels under the model and its noise model (lower is "
-                 f"better).")
+    lines.append(f"Ranked by {metric} ({RANKING[metric]}) of each trial's selected epoch (the "
+                 f"epoch of its best {metric}); {REPORTED_BESIDE} is that epoch's clean test "
+                 f"accuracy, reported only; {METRIC} the noisy-validation accuracy, "
+                 f"{VAL_NLL} the held-out negative log-likelihood of the noisy labels under "
+                 f"the model and its noise model (lower is better).")
     lines.append("")
     lines.append("| " + " | ".join(cols) + " |")
     lines.append("|" + "|".join("---" for _ in cols) + "|")

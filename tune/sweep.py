@@ -9,6 +9,9 @@ population-based training over alpha and the annealing floor, :mod:`tune.pbt`). 
 by ``val_top1`` (max), the accuracy on the noisy validation split (``--val-fraction`` of the
 training samples, against their observed labels: what a user with noisy data has); the
 clean ``test_top1`` is reported beside it and never used to choose (:mod:`tune.results`).
+``--metric val_nll`` ranks by the held-out negative log-likelihood of the noisy labels under
+the model and its noise model instead (min), which tracked the clean accuracy across alpha
+where the noisy accuracy did not (``benchmarks/results/alpha_sweep.md``).
 
 Layout (``--sweep-dir``, absolute)::
 
@@ -54,7 +57,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "jobs"))
 sys.path.insert(0, str(REPO))
 
-from tune.search_spaces import (METRIC, MODE, REPORTED_BESIDE, SPACES, TIME_ATTR,  # noqa: E402
+from tune.search_spaces import (METRIC, RANKING, REPORTED_BESIDE, SPACES, TIME_ATTR,  # noqa: E402
                                 apply_point, get_space, load_space, sample_point,
                                 scaled_lr_values, to_tune, with_alpha_grid)
 
@@ -141,6 +144,13 @@ def get_args_parser() -> argparse.ArgumentParser:
                         "pbt: population-based training, trials in the lower quantile restart "
                         "from an upper trial's checkpoint (model and the actor's C and z) with "
                         "lccn.alpha and lccn.anneal_floor perturbed (tune/pbt.py)")
+    p.add_argument("--metric", choices=sorted(RANKING), default=METRIC,
+                   help="what ranks trials, stops them (ASHA) and picks each one's epoch, on "
+                        "the noisy validation split: val_top1 (accuracy, max; default) or "
+                        "val_nll (negative log-likelihood of the noisy labels under the model "
+                        "and its noise model, min), which followed alpha's effect on the clean "
+                        "test accuracy where val_top1 did not "
+                        "(benchmarks/results/alpha_sweep.md)")
     p.add_argument("--perturbation-interval", type=int, default=1,
                    help="PBT: epochs between two exploit/explore decisions of a trial")
     p.add_argument("--quantile-fraction", type=float, default=0.25,
@@ -282,7 +292,8 @@ def trial_records(grid, *, epochs: int) -> list[dict[str, Any]]:
     return out
 
 
-def finish_tracking(tracker, rows: list[dict[str, Any]], *, out_dir: Path) -> None:
+def finish_tracking(tracker, rows: list[dict[str, Any]], *, out_dir: Path,
+                    metric: str = METRIC) -> None:
     """Log the files of ``out_dir`` (the table as CSV and Markdown, the accuracy-vs-alpha
     plot) to the parent run, the best trial's accuracies as its metrics, and close the
     children: rank and status as tags, a trial stopped early ``KILLED``, an errored one
@@ -294,7 +305,7 @@ def finish_tracking(tracker, rows: list[dict[str, Any]], *, out_dir: Path) -> No
     tracker.log_metrics({"trials": len(rows),
                          "stopped_early": sum(r["status"] == "stopped early" for r in rows),
                          "errors": sum(r["status"] == "error" for r in rows),
-                         f"best_{METRIC}": best[METRIC] if best else math.nan,
+                         f"best_{metric}": best[metric] if best else math.nan,
                          f"best_{REPORTED_BESIDE}": (best[REPORTED_BESIDE] if best and
                                                      best[REPORTED_BESIDE] is not None
                                                      else math.nan)}, step=0)
@@ -366,6 +377,7 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
     from tune.results import rank_trials, to_csv, to_markdown
 
     args = get_args_parser().parse_args(argv)
+    metric, mode = args.metric, RANKING[args.metric]
     mod = job_module(args.job)
     job_argv = list(args.job_args) + (["--smoke-test"] if args.smoke_test else [])
     probe = mod.get_args_parser().parse_args(job_argv)  # refuses a bad job option now
@@ -401,7 +413,7 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
             "grace_period": args.grace_period, "reduction_factor": args.reduction_factor,
             "perturbation_interval": args.perturbation_interval,
             "quantile_fraction": args.quantile_fraction,
-            "metric": METRIC, "mode": MODE, "seed": args.seed, "job_args": " ".join(job_argv)}})
+            "metric": metric, "mode": mode, "seed": args.seed, "job_args": " ".join(job_argv)}})
     started = common.connect_ray()
     try:
         concurrent = max_concurrent(gpu=probe.gpu, num_workers=probe.num_workers,
@@ -418,7 +430,7 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
         trainable = tune.with_resources(fn, {"cpu": 0, "memory": TRIAL_MEMORY})
         print(f"[sweep] {name}: {'resuming, ' if restored else ''}{n_trials} trials of "
               f"{args.job} ({probe.epochs} epochs each), at most {concurrent} at once, "
-              f"{args.scheduler} on {METRIC} ({MODE}); in {sweep_dir}; MLflow "
+              f"{args.scheduler} on {metric} ({mode}); in {sweep_dir}; MLflow "
               f"{tracking or 'off'}", flush=True)
         if restored:
             tuner = tune.Tuner.restore(str(exp_path), trainable=trainable,
@@ -440,7 +452,7 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
             tuner = tune.Tuner(
                 trainable, param_space=to_tune(space),
                 tune_config=tune.TuneConfig(
-                    metric=METRIC, mode=MODE, num_samples=num_samples, scheduler=scheduler,
+                    metric=metric, mode=mode, num_samples=num_samples, scheduler=scheduler,
                     # the random search caps concurrency itself (Tune ignores
                     # max_concurrent_trials for a SearchGenerator)
                     search_alg=BasicVariantGenerator(random_state=args.seed,
@@ -460,19 +472,19 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
             ray.shutdown()
 
     complete = grid.num_terminated + grid.num_errors >= n_trials
-    rows = rank_trials(trial_records(grid, epochs=probe.epochs))
+    rows = rank_trials(trial_records(grid, epochs=probe.epochs), metric)
     best = rows[0] if rows and rows[0]["rank"] is not None else None
-    out = {"name": name, "sweep_dir": str(sweep_dir), "metric": METRIC, "mode": MODE,
+    out = {"name": name, "sweep_dir": str(sweep_dir), "metric": metric, "mode": mode,
            "complete": complete, "restored": restored, "expected_trials": n_trials,
            "trials": rows, "errors": grid.num_errors,
            "best_config": None if best is None else
            {k: best[k] for k in space if k in best},
-           "best_metric": None if best is None else best[METRIC],
+           "best_metric": None if best is None else best[metric],
            "best_test_top1": None if best is None else best[REPORTED_BESIDE],
            "parent_run_id": tracker.run_id if tracker else None, "table": None}
     for r in rows:
         print(f"[sweep] #{r['rank'] or '-'} {r['trial_id']} {r['status']:13s} "
-              f"epochs {r[TIME_ATTR]}  {METRIC} {r[METRIC]}  ({REPORTED_BESIDE} "
+              f"epochs {r[TIME_ATTR]}  {metric} {r[metric]}  ({REPORTED_BESIDE} "
               f"{r[REPORTED_BESIDE]})  {json.dumps({k: r.get(k) for k in space})}", flush=True)
     if not complete:
         print(f"[sweep] {name}: interrupted with {grid.num_terminated + grid.num_errors} of "
@@ -484,15 +496,16 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
     out_dir = sweep_dir / name
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.csv").write_text(to_csv(rows))
-    (out_dir / "results.md").write_text(to_markdown(rows, title=f"Sweep {name} ({args.job})"))
+    (out_dir / "results.md").write_text(to_markdown(rows, title=f"Sweep {name} ({args.job})",
+                                                    metric=metric))
     fig = plots.accuracy_vs(rows, x_key="lccn.alpha", keys=(METRIC, REPORTED_BESIDE),
                             title=f"{name}: the selected epoch of each trial")
     fig.savefig(out_dir / "accuracy_vs_alpha.png", dpi=100)
     fig.clear()
     out["table"] = str(out_dir / "results.md")
     if tracker is not None:
-        finish_tracking(tracker, rows, out_dir=out_dir)
-    print(f"[sweep] best by {METRIC}: {out['best_metric']} ({REPORTED_BESIDE} "
+        finish_tracking(tracker, rows, out_dir=out_dir, metric=metric)
+    print(f"[sweep] best by {metric}: {out['best_metric']} ({REPORTED_BESIDE} "
           f"{out['best_test_top1']}): {out['best_config']}; table {out['table']}", flush=True)
     (sweep_dir / f"{name}.json").write_text(json.dumps(out, indent=1, default=str))
     return out
