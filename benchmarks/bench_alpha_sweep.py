@@ -96,39 +96,25 @@ def final_val_nll(summary: dict) -> float | None:
     nll = summary["history"][-1].get("val_nll")
     if nll is not None:
         return nll
-    import numpy as np
     import torch
 
     from pipeline.confusion import transition
     from pipeline.label_issues import STATE_KEY, _chain0
+    from pipeline.loop import noisy_nll_of
 
     ckpts = sorted(Path(summary["run_dir"], "train", summary["run_name"]).glob(
         "checkpoint_*/state.pt"))
     if not ckpts:
         return None
     state = torch.load(ckpts[-1], map_location="cpu", weights_only=False)
-    rep = _find(state, STATE_KEY)
+    rep = state.get(STATE_KEY)  # the method's state sits at the checkpoint's top level
     if not rep or rep.get("heldout") is None or state.get("store") is None:
         return None
     chain = _chain0(state["store"])
-    phi = transition(torch.as_tensor(chain["counts"]),
-                     torch.as_tensor(rep["alpha"], dtype=torch.float64)).numpy()
-    idx = np.asarray(rep["heldout"]["idx"])
-    probs = np.asarray(rep["heldout"]["probs"], dtype=np.float64)
-    obs = np.asarray(chain["observed"])[idx]
-    q = (probs * phi[:, obs].T).sum(1)
-    return float(-np.log(np.clip(q, 1e-12, None)).mean())
-
-
-def _find(obj, key: str):
-    if isinstance(obj, dict):
-        if key in obj:
-            return obj[key]
-        for v in obj.values():
-            got = _find(v, key)
-            if got is not None:
-                return got
-    return None
+    phi = transition(torch.as_tensor(chain["counts"]), torch.as_tensor(rep["alpha"]))
+    idx = torch.as_tensor(rep["heldout"]["idx"]).long()
+    observed = torch.as_tensor(chain["observed"]).long()[idx]
+    return noisy_nll_of(torch.as_tensor(rep["heldout"]["probs"]), observed, phi)
 
 
 def run_row(summary: dict) -> dict:
@@ -203,7 +189,8 @@ def table(rows: list[dict], ces: list[dict]) -> str:
     return (f"Seeds {', '.join(map(str, seeds))}; test top-1 and noisy-validation accuracy in "
             f"%, mean ± std over seeds; ranks: within each seed's sweep (1 = the highest "
             f"noisy-validation accuracy at the selected epoch, what the sweep ranked by; "
-            f"or the lowest noisy-validation NLL at the final epoch).\n\n" + "\n".join(lines) + "\n")
+            f"or the lowest noisy-validation NLL at the final epoch).\n\n"
+            + "\n".join(lines) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.config import (METHODS, TRANSITIONS, BaselineConfig, DivideConfig,  # noqa: E402
                              LCCNConfig, ModelConfig, MonitorConfig, OptimConfig, PerfConfig,
-                             RunConfig)
+                             RunConfig, json_safe)
 from pipeline.dist_worker import DistConfig  # noqa: E402
 from pipeline.labels import LabelView  # noqa: E402
 from pipeline.manifest import Manifest  # noqa: E402
@@ -748,17 +748,6 @@ def selected_epoch(history: list[dict[str, float]]) -> dict[str, Any] | None:
             "test_top1": row.get("test_top1"),
             "by": "val_top1" if any(math.isfinite(r.get("val_top1", math.nan)) for r in history)
             else "last"}
-
-
-def json_safe(obj: Any) -> Any:
-    """``obj`` with every NaN/infinite float replaced by None (strict JSON)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_safe(v) for v in obj]
-    return obj
 
 
 SUMMARY_KEYS = ("test_top1", "val_top1", "label_recovery", "transition_error", "staleness",

@@ -4,6 +4,7 @@ as ``asdict`` dicts and are rebuilt with :func:`from_dict` first thing in the wo
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -395,3 +396,15 @@ def from_dict(cls: type[T], data: dict[str, Any]) -> T:
 
 _CONFIGS = {c.__name__: c for c in (LCCNConfig, BaselineConfig, OptimConfig, ModelConfig,
                                     MonitorConfig, DivideConfig, PerfConfig, RunConfig)}
+
+
+def json_safe(obj: Any) -> Any:
+    """``obj`` with every NaN/infinite float replaced by None (strict JSON), through dicts,
+    lists and tuples."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj

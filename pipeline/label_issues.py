@@ -61,6 +61,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from pipeline.config import json_safe
+
 __all__ = ["ReportAccumulator", "Ranking", "LabelIssueReport", "rank_mislabelled",
            "rank_outliers", "heldout_posterior", "cleanlab_ranking", "at_k", "build_report",
            "main"]
@@ -388,7 +390,7 @@ class LabelIssueReport:
                                 f"{o.score[pos]:.4f}"])
         summary = self.summary()
         paths.append(out / "summary.json")
-        paths[-1].write_text(json.dumps(_json_safe(summary), indent=1))
+        paths[-1].write_text(json.dumps(json_safe(summary), indent=1))
         paths.append(out / "summary.md")
         paths[-1].write_text(self.markdown())
         return paths
@@ -424,16 +426,6 @@ class LabelIssueReport:
 
 def _fmt(v: float) -> str:
     return "n/a" if v != v else f"{v:.3f}"
-
-
-def _json_safe(obj: Any) -> Any:
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    return obj
 
 
 def _chain0(store: dict) -> dict:

@@ -193,16 +193,23 @@ def evaluate(model: nn.Module, batches: Iterable[Any], *, num_classes: int,
             "n": float(clean.numel())}
 
 
-def noisy_nll_of(probs: Tensor, labels: Tensor, noise: Tensor | None) -> float:
-    """Mean ``-log sum_k probs[i, k] noise[k, labels[i]]`` (``noise`` None: the identity
-    over the first K columns, K = the labels' range); probabilities floored at 1e-12."""
+def noisy_nll_sum(probs: Tensor, labels: Tensor, noise: Tensor | None) -> Tensor:
+    """``sum_i -log sum_k probs[i, k] noise[k, labels[i]]`` as a float64 scalar tensor on
+    ``probs``' device (``noise`` None: the identity, ``-log probs[i, labels[i]]``);
+    probabilities floored at 1e-12."""
     p = probs.to(torch.float64)
+    labels = labels.to(p.device).long()
     if noise is None:
-        q = p.gather(1, labels.long().unsqueeze(1))[:, 0]
+        q = p.gather(1, labels.unsqueeze(1))[:, 0]
     else:
-        t = noise.to(torch.float64).cpu()
+        t = noise.to(p.device, torch.float64)
         if t.shape[0] != p.shape[1]:
             raise ValueError(f"noise model has {t.shape[0]} latent rows, the model "
                              f"{p.shape[1]} outputs")
-        q = (p * t[:, labels.long()].T).sum(1)
-    return float(-q.clamp_min(1e-12).log().mean())
+        q = (p * t[:, labels].T).sum(1)
+    return -q.clamp_min(1e-12).log().sum()
+
+
+def noisy_nll_of(probs: Tensor, labels: Tensor, noise: Tensor | None) -> float:
+    """The mean of :func:`noisy_nll_sum` over the samples."""
+    return float(noisy_nll_sum(probs, labels, noise)) / labels.numel()

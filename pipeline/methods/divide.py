@@ -48,7 +48,7 @@ from pipeline.divide import (co_divide, co_guess, co_refine, co_refine_lccn, con
                              lccn_posterior, linear_rampup, mixmatch, semi_loss,
                              transition_columns, uniform_prior_penalty)
 from pipeline.engine import all_gather_rows, transition_error
-from pipeline.loop import _lookahead, noisy_nll_of, predict
+from pipeline.loop import _lookahead, noisy_nll_sum, predict
 from pipeline.methods.base import Method, register
 from pipeline.monitor import CollapseMonitor, chain_health
 from pipeline.warmup import estimate_phi_init, initial_assignment
@@ -335,7 +335,7 @@ class DivideMix(Method):
         for m in self.members:
             m.model.eval()
         hit1 = hit5 = total = 0
-        nll = 0.0
+        nll = torch.zeros((), dtype=torch.float64, device=dev)  # summed on the device
         for b in batches:
             keep = b.valid & (b.clean >= 0) & (b.clean < self.num_classes)
             if not keep.any():
@@ -346,12 +346,11 @@ class DivideMix(Method):
             labels = b.clean[keep].to(dev)
             hits = ensemble_topk(l1, l2, labels, ks=(1, 5))
             n = int(keep.sum())
-            p = (torch.softmax(l1, 1) + torch.softmax(l2, 1)).cpu() / 2
-            nll += noisy_nll_of(p, labels.cpu(), None) * n
+            nll += noisy_nll_sum((torch.softmax(l1, 1) + torch.softmax(l2, 1)) / 2, labels, None)
             hit1, hit5, total = hit1 + hits[1], hit5 + hits[5], total + n
         if total == 0:
             return {"top1": float("nan"), "top5": float("nan"), "nll": float("nan"), "n": 0.0}
-        return {"top1": hit1 / total, "top5": hit5 / total, "nll": nll / total,
+        return {"top1": hit1 / total, "top5": hit5 / total, "nll": float(nll) / total,
                 "n": float(total)}
 
 
