@@ -5,10 +5,11 @@ Protocol: shards of a class-balanced CIFAR-10 subset (``lccn-shards imagefolder 
 DIR --splits train --per-class 1000``, then ``--splits test`` in full), asymmetric noise 0.5
 (seed 0), the fidelity benchmark's CPU model (``cnn_wide``, 0.37M parameters), SGD lr 0.1,
 batch 128, 12 epochs with lr x0.1 after epochs 8 and 11, the first 4 cross-entropy, the
-anchor warm-up for one epoch (74 steps), posterior targets, ramp 0.25; one Ray Train worker
-a trial, two trials at once on a 2-CPU machine. The sweep is ``python -m tune.sweep --job
-cifar --space alpha`` (the paper's grid 0.01 ... 1000, nothing else varied, FIFO: every
-trial runs out), one sweep per training seed (``--seeds``; the noise stays seed 0); a
+anchor warm-up for one epoch (74 steps), posterior targets, a 2-epoch ramp (a quarter of
+the LCCN phase); one Ray Train worker a trial, two trials at once on a 2-CPU machine. The
+sweep is ``python -m tune.sweep --job cifar --space alpha`` (the paper's grid 0.01 ... 1000,
+nothing else varied, FIFO: every trial runs out), one sweep per training seed (``--seeds``;
+the noise stays seed 0); a
 cross-entropy run of the same job, protocol and seed is the reference. A
 trial's row: its noisy-validation accuracy at the epoch it selects (what ranks it), its
 noisy-validation NLL at the final epoch (``val_nll``: -log sum_k P(k|x) phi[k, observed] over
@@ -48,7 +49,7 @@ NOISE = '{"kind": "asymmetric", "rate": 0.5, "seed": 0}'
 PROTOCOL = ["--noise", NOISE, "--model", "cnn_wide", "--epochs", "12", "--pretrain-epochs", "4",
             "--milestones", "8", "11", "--lr", "0.1", "--lr-values", "--lr-decay", "0.1",
             "--batch-size", "128", "--weight-decay", "5e-4", "--warmup", "anchor",
-            "--warmup-steps", "74", "--targets", "posterior", "--ramp", "0.25",
+            "--warmup-steps", "74", "--targets", "posterior", "--ramp-epochs", "2",
             "--num-workers", "1", "--loader-workers", "1"]
 
 

@@ -5,7 +5,7 @@ Protocol (one seed): scikit-learn's digits, 70/30 stratified split; pair-flip no
 digit indices); a 5% noisy validation split carved from them; small CNN, SGD lr 0.1,
 momentum 0.9, weight decay 5e-4, batch 32, ``--epochs`` with lr x0.1 at two thirds, the
 first ``--pretrain-epochs`` cross-entropy for every method (the quickstart's recipe). Each
-method runs with its defaults (LCCN: the digits preset, ``targets="sample"``, ``ramp=0``);
+method runs with its defaults (LCCN: the digits preset, ``targets="sample"``, ``ramp_epochs=0``);
 ``forward-oracle`` is Forward with the true transition read from a file.
 
 Reported per method: clean test top-1 at the final epoch and at the epoch with the best
@@ -59,7 +59,7 @@ def run_config(args: argparse.Namespace, method: str, seed: int, oracle: Path) -
                      optim=OptimConfig(epochs=args.epochs, pretrain_epochs=args.pretrain_epochs,
                                        batch_size=32, lr=0.1, weight_decay=5e-4,
                                        milestones=(int(args.epochs * 2 / 3),)),
-                     lccn=LCCNConfig(targets="sample", ramp=0.0), baseline=baseline)
+                     lccn=LCCNConfig(targets="sample", ramp_epochs=0.0), baseline=baseline)
 
 
 def one(args: argparse.Namespace, method: str, seed: int, tmp: Path) -> dict:

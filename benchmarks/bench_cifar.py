@@ -104,7 +104,7 @@ def get_args_parser() -> argparse.ArgumentParser:
                    default=_LCCN_DEFAULTS.warmup)
     p.add_argument("--targets", choices=["posterior", "sample"], default=_LCCN_DEFAULTS.targets)
     p.add_argument("--init", choices=["argmax", "observed"], default=_LCCN_DEFAULTS.init)
-    p.add_argument("--ramp", type=float, default=_LCCN_DEFAULTS.ramp)
+    p.add_argument("--ramp-epochs", type=float, default=_LCCN_DEFAULTS.ramp_epochs)
     p.add_argument("--methods", nargs="+", choices=["ce", "lccn"], default=["ce", "lccn"])
     p.add_argument("--time-epoch", action="store_true",
                    help="time one CE epoch (+ validation and test passes), then exit")
@@ -157,7 +157,8 @@ def run_config(args: argparse.Namespace, method: str, seed: int, steps_per_epoch
                           batch_size=args.batch_size, lr=args.lr, momentum=0.9,
                           weight_decay=5e-4, milestones=tuple(args.milestones), lr_decay=0.1),
         lccn=LCCNConfig(alpha=args.alpha, warmup_steps=warm, warmup=args.warmup,
-                        targets=args.targets, init=args.init, ramp=args.ramp))
+                        targets=args.targets, init=args.init,
+                        ramp_epochs=args.ramp_epochs))
 
 
 # -- runs ------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sizing the CPU fidelity benchmark (benchmarks/results/cifar.md) on one GPU machine: the
 # CPU protocol's model (cnn_wide) and schedule shapes, CE vs LCCN (library defaults, and
-# --ramp 0), all three noise settings, run as parallel processes (one CPU thread each). The
+# --ramp-epochs 0), all three noise settings, run as parallel processes (one CPU thread each). The
 # arithmetic is the CPU benchmark's; only the device differs, so a protocol chosen here is
 # then run on the CPU for the record.
 #
@@ -35,7 +35,7 @@ run() {  # protocol seed extra-tag extra-args...
 run a 0 ""
 run b 0 ""
 run b 1 ""
-run b 0 "-ramp0" --ramp 0
+run b 0 "-ramp0" --ramp-epochs 0
 run c 0 ""
 wait
 for p in a b c; do "$PY" benchmarks/bench_cifar.py --report --out "$out" --tag="-$p" || true; done

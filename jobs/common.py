@@ -67,7 +67,7 @@ class Preset:
     # unless a recipe says otherwise, the library's defaults (LCCNConfig, DivideConfig)
     warmup: str = _LCCN.warmup
     targets: str = _LCCN.targets
-    ramp: float = _LCCN.ramp
+    ramp_epochs: float = _LCCN.ramp_epochs
     anneal: bool = _LCCN.anneal
     milestones: tuple[int, ...] = ()
     lr_values: tuple[float, ...] = ()
@@ -120,10 +120,10 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     # the quickstart: scikit-learn digits, small CNN on the CPU
     # targets "sample": on 1,257 digits a small CNN memorises the noisy labels, and the
     # sampled z (which relabels) beats the posterior target (which follows the labels once
-    # memorised): +8.2 vs +2.4 points over CE on three seeds; ramp 0: 8 CE epochs make a
+    # memorised): +8.2 vs +2.4 points over CE on three seeds; no ramp: 8 CE epochs make a
     # strong start here, and the ramp costs most of the gain (docs/fidelity.md)
     Preset("digits", "small_cnn", "digits", 32, 0.1, 30, 8, 5e-4, 0, "anchor",
-           targets="sample", ramp=0.0, milestones=(20,), in_channels=1,
+           targets="sample", ramp_epochs=0.0, milestones=(20,), in_channels=1,
            source="ours (the CPU quickstart; docs/fidelity.md)"),
 )}
 
@@ -173,7 +173,7 @@ def recipe(dataset: str, method: str) -> Preset:
 # the Preset fields the jobs take from the recipe unless given on the command line
 RECIPE_ARGS = ("model", "pretrained", "epochs", "pretrain_epochs", "batch_size", "lr",
                "milestones", "lr_values", "lr_decay", "weight_decay", "alpha", "warmup_steps",
-               "warmup", "targets", "ramp", "anneal", "mixmatch_alpha", "lambda_u",
+               "warmup", "targets", "ramp_epochs", "anneal", "mixmatch_alpha", "lambda_u",
                "p_threshold", "temperature", "conf_penalty")
 
 
@@ -298,9 +298,9 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
     m.add_argument("--targets", choices=("sample", "posterior", "map"),
                    default=None,
                    help="what the classifier trains on in the LCCN phase (LCCNConfig.targets)")
-    m.add_argument("--ramp", type=float, default=None,
-                   help="fraction of the LCCN phase over which the LCCN target's weight rises "
-                        "from 0 to 1 (LCCNConfig.ramp; 0 = the paper)")
+    m.add_argument("--ramp-epochs", type=float, default=None,
+                   help="epochs at the start of the LCCN phase over which the LCCN target's "
+                        "weight rises from 0 to 1 (LCCNConfig.ramp_epochs; 0 = the paper)")
     m.add_argument("--commit-every", type=int, default=LCCNConfig.commit_every,
                    help="each worker sends its sampled labels to the confusion actor once "
                         "every this many steps (LCCNConfig.commit_every; 1: every step)")
@@ -391,7 +391,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
                           batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
                           milestones=tuple(args.milestones), lr_decay=args.lr_decay),
         lccn=LCCNConfig(alpha=args.alpha, warmup_steps=args.warmup_steps, warmup=args.warmup,
-                        targets=args.targets, ramp=args.ramp, anneal=anneal,
+                        targets=args.targets, ramp_epochs=args.ramp_epochs, anneal=anneal,
                         outlier=args.outlier, outlier_prior=getattr(args, "outlier_prior", 0.0),
                         use_trusted=uses_trusted(args),
                         commit_every=args.commit_every,

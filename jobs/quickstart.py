@@ -42,8 +42,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--targets", choices=["sample", "posterior", "map"], default="sample",
                    help="sample (the paper's z): on this small set the model memorises the "
                         "labels and the sampled z's relabelling wins (docs/fidelity.md)")
-    p.add_argument("--ramp", type=float, default=0.0,
-                   help="LCCNConfig.ramp; 0: 8 CE epochs make a strong start on digits")
+    p.add_argument("--ramp-epochs", type=float, default=0.0,
+                   help="LCCNConfig.ramp_epochs; 0: 8 CE epochs make a strong start on digits")
     p.add_argument("--out", type=Path, default=Path("runs/quickstart"))
     return p
 
@@ -65,7 +65,7 @@ def run_config(args: argparse.Namespace, method: str, seed: int) -> RunConfig:
                           batch_size=args.batch_size, lr=args.lr, weight_decay=5e-4,
                           milestones=(int(args.epochs * 2 / 3),)),
         lccn=LCCNConfig(alpha=args.alpha, warmup_steps=args.warmup_steps, targets=args.targets,
-                        ramp=args.ramp))
+                        ramp_epochs=args.ramp_epochs))
 
 
 def main(argv: list[str] | None = None) -> dict:

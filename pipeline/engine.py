@@ -437,7 +437,7 @@ class LocalChain:
         labeler = GibbsLabeler(cfg, self.store, self.store.counts, self.store.version,
                                phi_init=phi_init, max_steps=max_steps, generator=self.generator,
                                trusted=trusted, clean=clean, device=self.device,
-                               compile_mode=self.compile_mode)
+                               compile_mode=self.compile_mode, steps_per_epoch=steps_per_epoch)
         # a store restored from a checkpoint has seen this worker's commits up to last_seq:
         # continue the sequence (a restarted one would be refused as duplicates)
         labeler.seq = self.store.last_seq.get(labeler.worker, -1) + 1
@@ -509,7 +509,8 @@ class SharedChain:
         return DistLabeler(cfg, self.client, counts, version, phi_init=phi_init,
                            max_steps=max_steps, generator=torch.Generator(), trusted=trusted,
                            clean=clean, worker=f"rank{rank}.{self.fence[:8]}", seed=self.seed,
-                           rank=rank, device=self.device, compile_mode=self.compile_mode)
+                           rank=rank, device=self.device, compile_mode=self.compile_mode,
+                           steps_per_epoch=steps_per_epoch)
 
     def read(self) -> dict | None:
         """The chain state (rank 0; the store checks its invariants), with no held-out

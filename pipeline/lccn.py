@@ -67,7 +67,8 @@ class SampleStats:
     wait: float      # seconds blocked on the store before sampling
     posterior: Tensor | None = None  # (B, K_latent) the Eq. 7 conditional each z was drawn
     #                                  from (one-hot at the clean label for trusted samples)
-    ramp: float = 1.0  # weight of the LCCN target against the observed label (LCCNConfig.ramp)
+    ramp: float = 1.0  # weight of the LCCN target against the observed label
+    #                    (LCCNConfig.ramp_epochs)
 
 
 class GibbsLabeler:
@@ -76,6 +77,9 @@ class GibbsLabeler:
     counts: (K_latent, K) int64 initial replica of C at version ``version``;
     trusted: (N,) bool lookup by idx (LCCN+), clean: (N,) int64 lookup by idx;
     phi_init: (K_latent, K) warm-up transition, rows sum to 1.
+    max_steps: steps of the LCCN phase (annealing, the outlier warm-up);
+    steps_per_epoch: steps of one of its epochs, the unit of ``cfg.ramp_epochs`` (default:
+    ``max_steps``, the phase counted as one epoch).
     device: where the replica of C lives and Eq. 7 runs (default: the device of
     ``counts``). On an accelerator nothing in :meth:`sample` waits for the device: the
     range checks run on the host copies of ``observed`` and ``z_old``, the draws come
@@ -88,7 +92,7 @@ class GibbsLabeler:
                  phi_init: Tensor, max_steps: int, generator: torch.Generator,
                  trusted: Tensor | None = None, clean: Tensor | None = None,
                  worker: str = "0", device: torch.device | str | None = None,
-                 compile_mode: str = "off") -> None:
+                 compile_mode: str = "off", steps_per_epoch: int | None = None) -> None:
         self.cfg, self.store = cfg, store
         dev = torch.device(device) if device is not None else counts.device
         self.device = dev
@@ -98,6 +102,8 @@ class GibbsLabeler:
         self.alpha = as_alpha(cfg.alpha, self.num_classes).to(dev)
         self.phi_init = phi_init.to(dev)
         self.max_steps = max(1, max_steps)
+        self.steps_per_epoch = max(1, steps_per_epoch if steps_per_epoch is not None
+                                   else max_steps)
         if generator.device.type != dev.type:
             # one stream per device: Eq. 7's draws on an accelerator come from a generator
             # there, seeded from the given one's seed
@@ -145,10 +151,10 @@ class GibbsLabeler:
 
     def ramp(self) -> float:
         """Weight of the LCCN target in the loss at this step: rises linearly from 0 to 1
-        over the first ``cfg.ramp`` fraction of the LCCN phase (1 when ``ramp`` is 0)."""
-        if self.cfg.ramp <= 0:
+        over the first ``cfg.ramp_epochs`` epochs of the LCCN phase (1 when it is 0)."""
+        if self.cfg.ramp_epochs <= 0:
             return 1.0
-        return min(1.0, (self.step_count + 1) / (self.cfg.ramp * self.max_steps))
+        return min(1.0, (self.step_count + 1) / (self.cfg.ramp_epochs * self.steps_per_epoch))
 
     def outlier_proposal(self, probs: Tensor) -> Tensor:
         """LCCN*'s outlier warm-up: ``probs (B, K + 1)`` as Eq. 7 reads them in this step.

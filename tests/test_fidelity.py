@@ -221,14 +221,15 @@ def weak_start_runs():
     try:
         yield {"ce": [_final_top1("ce", s) for s in seeds],
                "default": [_final_top1("lccn", s) for s in seeds],
-               "paper": [_final_top1("lccn", s, targets="sample", ramp=0.0) for s in seeds]}
+               "paper": [_final_top1("lccn", s, targets="sample", ramp_epochs=0.0) for s in seeds]}
     finally:
         torch.set_num_threads(old)
 
 
 def test_default_lccn_holds_against_ce_from_a_weak_start_under_symmetric_noise(weak_start_runs):
     ce, lccn = np.mean(weak_start_runs["ce"]), np.mean(weak_start_runs["default"])
-    # measured: CE 0.764, default LCCN 0.793 (+3.0 points) over seeds 0-2
+    # measured: CE 0.764, default LCCN (one-epoch ramp) 0.797 (+3.3 points) over seeds 0-2;
+    # without the ramp 0.724, one seed at 0.588
     assert lccn >= ce - 0.01, weak_start_runs
 
 

@@ -77,6 +77,14 @@ def test_epoch_metrics_and_chain_invariants_after_training():
     assert hist[-1]["gamma"] == pytest.approx(expected)
     assert hist[-1]["staleness"] == 0.0  # one worker sees every commit
     assert hist[-1]["test_top1"] > 0.5 and hist[-1]["loss"] < hist[0]["loss"]
+    # the target ramp is counted in the trainer's epochs: one (the default) is over after
+    # the first LCCN epoch's steps, whatever the length of the phase
+    lab = trainer.labeler
+    assert lab.steps_per_epoch == int(hist[1]["steps"]) and lab.max_steps == lccn_steps
+    lab.step_count = lab.steps_per_epoch - 1
+    assert lab.ramp() == 1.0
+    lab.step_count = lab.steps_per_epoch // 2 - 1
+    assert lab.ramp() == pytest.approx(0.5, abs=1 / lab.steps_per_epoch)
 
 
 def test_lccn_star_outlier_row_and_lccn_plus_trusted_targets(monkeypatch):
@@ -154,6 +162,8 @@ def test_config_round_trips_through_a_dict():
     (dict(alpha=-2.0), "alpha must be > 0"),
     (dict(warmup="eq9"), "warmup must be one of"),
     (dict(init="random"), "init must be one of"),
+    (dict(ramp_epochs=-1.0), "ramp_epochs must be a finite number >= 0"),
+    (dict(ramp_epochs=float("inf")), "ramp_epochs must be a finite number >= 0"),
 ])
 def test_bad_config_values_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -291,6 +301,32 @@ def test_outlier_prior_applies_only_during_the_outlier_warm_up():
                          store.counts[:3], 0, phi_init=smoothed_identity(3, 3), max_steps=10,
                          generator=torch.Generator())
     assert torch.equal(plain.outlier_proposal(probs[:, :3]), probs[:, :3])  # K latent: no-op
+
+
+def test_target_ramp_rises_linearly_over_ramp_epochs_of_steps():
+    from pipeline.confusion_store import ConfusionStore
+    from pipeline.lccn import GibbsLabeler
+    from pipeline.warmup import smoothed_identity
+
+    obs = torch.tensor([0, 1, 2, 0])
+
+    def labeler(ramp_epochs: float, **kw) -> GibbsLabeler:
+        store = ConfusionStore(obs, obs.clone(), 3, 3)
+        return GibbsLabeler(LCCNConfig(ramp_epochs=ramp_epochs), store, store.counts, 0,
+                            phi_init=smoothed_identity(3, 3), max_steps=100,
+                            generator=torch.Generator(), **kw)
+
+    lab = labeler(2.0, steps_per_epoch=10)  # 20 steps of ramp in a 100-step phase
+    weights = []
+    for step in (0, 9, 18, 19, 50):
+        lab.step_count = step
+        weights.append(lab.ramp())
+    assert weights == pytest.approx([1 / 20, 10 / 20, 19 / 20, 1.0, 1.0])
+    lab0 = labeler(0.0, steps_per_epoch=10)
+    assert lab0.ramp() == 1.0  # the paper: the LCCN target alone from the first step
+    whole = labeler(1.0)  # no epoch length given: the phase counts as one epoch
+    whole.step_count = 49
+    assert whole.ramp() == pytest.approx(0.5)
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -21,7 +21,7 @@ from tune.search_spaces import (METRIC, PAPER_ALPHAS, REPORTED_BESIDE, TIME_ATTR
                                 scaled_lr_values, to_tune, with_alpha_grid)
 
 KNOBS = {"lccn.alpha", "lccn.anneal", "lccn.warmup_steps", "lccn.warmup", "lccn.targets",
-         "lccn.ramp", "optim.lr"}
+         "lccn.ramp_epochs", "optim.lr"}
 
 
 @pytest.mark.parametrize("name", ["quickstart", "cifar", "clothing1m", "webvision"])

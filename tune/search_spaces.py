@@ -58,7 +58,7 @@ SPACES: dict[str, dict[str, Any]] = {
         "lccn.warmup_steps": {"choice": [0, 10, 40]},
         "lccn.warmup": {"choice": ["anchor", "eq8", "identity"]},
         "lccn.targets": {"choice": ["sample", "posterior"]},
-        "lccn.ramp": {"choice": [0.0, 0.25]},
+        "lccn.ramp_epochs": {"choice": [0.0, 1.0, 4.0]},
         "optim.lr": {"loguniform": [0.02, 0.2]},
     },
     "cifar": {
@@ -67,7 +67,7 @@ SPACES: dict[str, dict[str, Any]] = {
         "lccn.warmup_steps": {"choice": [5_000, 10_000, 20_000, 40_000]},
         "lccn.warmup": {"choice": ["anchor", "eq8"]},
         "lccn.targets": {"choice": ["sample", "posterior"]},
-        "lccn.ramp": {"choice": [0.0, 0.25]},
+        "lccn.ramp_epochs": {"choice": [0.0, 1.0, 4.0]},
         "optim.lr": {"loguniform": [0.1, 0.5]},
     },
     "clothing1m": {
@@ -76,7 +76,7 @@ SPACES: dict[str, dict[str, Any]] = {
         "lccn.warmup_steps": {"choice": [10_000, 20_000, 40_000]},
         "lccn.warmup": {"choice": ["anchor", "eq8"]},
         "lccn.targets": {"choice": ["sample", "posterior"]},
-        "lccn.ramp": {"choice": [0.0, 0.25]},
+        "lccn.ramp_epochs": {"choice": [0.0, 1.0, 4.0]},
         "optim.lr": {"loguniform": [3e-4, 3e-3]},
     },
     "webvision": {
@@ -85,7 +85,7 @@ SPACES: dict[str, dict[str, Any]] = {
         "lccn.warmup_steps": {"choice": [20_000, 40_000, 80_000]},
         "lccn.warmup": {"choice": ["anchor", "eq8"]},
         "lccn.targets": {"choice": ["sample", "posterior"]},
-        "lccn.ramp": {"choice": [0.0, 0.25]},
+        "lccn.ramp_epochs": {"choice": [0.0, 1.0, 4.0]},
         "optim.lr": {"loguniform": [3e-3, 3e-2]},
     },
     # the paper's alpha ablation alone: the grid, every other setting the job's own
