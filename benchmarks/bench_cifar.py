@@ -102,7 +102,8 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="LCCN warm-up steps (default: one epoch of the training split)")
     p.add_argument("--warmup", choices=["anchor", "eq8", "identity"],
                    default=_LCCN_DEFAULTS.warmup)
-    p.add_argument("--targets", choices=["posterior", "sample"], default=_LCCN_DEFAULTS.targets)
+    p.add_argument("--targets", choices=["posterior", "sample", "map"],
+                   default=_LCCN_DEFAULTS.targets)
     p.add_argument("--init", choices=["argmax", "observed"], default=_LCCN_DEFAULTS.init)
     p.add_argument("--ramp-epochs", type=float, default=_LCCN_DEFAULTS.ramp_epochs)
     p.add_argument("--methods", nargs="+", choices=["ce", "lccn"], default=["ce", "lccn"])
