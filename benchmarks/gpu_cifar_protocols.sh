@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Sizing the CPU fidelity benchmark (benchmarks/results/cifar.md) on one GPU machine: the
 # CPU protocol's model (cnn_wide) and schedule shapes, CE vs LCCN (library defaults, and
-# --ramp-epochs 0), all three noise settings, run as parallel processes (one CPU thread each). The
-# arithmetic is the CPU benchmark's; only the device differs, so a protocol chosen here is
-# then run on the CPU for the record.
+# --ramp-epochs 0), all three noise settings, run as parallel processes (one CPU thread
+# each). The arithmetic is the CPU benchmark's; only the device differs, so a protocol
+# chosen here is then run on the CPU for the record.
 #
 #   bash benchmarks/gpu_cifar_protocols.sh DATA_DIR OUT_DIR
 #
