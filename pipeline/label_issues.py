@@ -8,7 +8,7 @@ posterior over its latent label ``p_m(k) = p(z_m = k | x_m, ỹ_m, C¬)``. A sin
 ``z`` is noisy; the report uses the posterior *averaged over the last E epochs* of the run
 (``LCCNConfig.report_epochs``; every sample is visited once per epoch, so E sweeps of the
 chain), accumulated by :class:`ReportAccumulator` during training and summed over ranks at
-each epoch end. From the mean ``p̄_m (K_latent,)`` and the observed label ``j``:
+each epoch end and each checkpoint. From the mean ``p̄_m (K_latent,)`` and the observed label ``j``:
 
 - mislabelled score ``1 - p̄_m[j] - p̄_m[K]`` (the probability that the true label is
   another in-distribution class), suggested label ``argmax_{k < K} p̄_m[k]``; a sample is
@@ -63,7 +63,7 @@ from torch import Tensor
 
 from pipeline.config import json_safe
 
-__all__ = ["ReportAccumulator", "Ranking", "LabelIssueReport", "rank_mislabelled",
+__all__ = ["PosteriorWindow", "ReportAccumulator", "Ranking", "LabelIssueReport", "rank_mislabelled",
            "rank_outliers", "heldout_posterior", "cleanlab_ranking", "at_k", "build_report",
            "main"]
 
@@ -76,33 +76,38 @@ MAX_ENTRIES = 100_000_000
 # -- accumulating the chain's posterior during training ----------------------------------------
 
 
-class ReportAccumulator:
-    """Running sum of the Eq. 7 posterior per training ``idx`` over the last ``epochs``
-    epochs of a run, and the final model's predictions on the noisy validation split.
+class PosteriorWindow:
+    """Running per-sample sum of the Eq. 7 posterior (or some of its ``columns``) over the
+    epochs ``[first, total_epochs)`` of a run whose samples are spread over ranks: the one
+    accumulator behind the label-issue report and LCCN*'s exported p(outlier).
 
-    A method calls :meth:`sink` at the start of an epoch's training pass (a callable that
-    takes ``idx (B,) int64`` and ``post (B, K_latent)``, or None outside the window),
-    :meth:`end_epoch` on every rank after the pass (sums the epoch's per-rank part over
-    ranks: a collective), and puts :meth:`state_dict` in its checkpoint. ``sum`` and
-    ``count`` are then the same on every rank and travel with the checkpoint; a run resumed
-    mid-epoch loses that epoch's part from before the checkpoint (the mean is per sample,
-    so a sample simply has one sweep fewer).
+    Protocol (every call marked *collective* happens on every rank at the same moment):
+
+    - :meth:`sink` at the start of an epoch's training pass: a callable taking ``idx (B,)
+      int64`` and ``post (B, K_latent)`` (valid rows only), or None outside the window. It
+      adds into a dense per-rank part on ``post``'s device: no host read in the step.
+    - :meth:`merge` (collective) sums the parts of all ranks into ``sum``/``count`` (the
+      same on every rank afterwards); the engine calls it at every checkpoint moment
+      (``Method.flush``), so what a checkpoint carries includes the epoch's draws up to it
+      and a run resumed mid-epoch ends with exactly the uninterrupted run's sums.
+    - :meth:`end_epoch` (collective) merges and records the epoch.
+
+    ``sum (N, width)`` in ``dtype``, ``count (N,)`` int64 (draws per sample).
     """
 
-    def __init__(self, *, num_samples: int, k_latent: int, num_classes: int, epochs: int,
-                 total_epochs: int, first_noise_epoch: int, alpha: Any) -> None:
-        self.num_samples, self.k_latent, self.num_classes = num_samples, k_latent, num_classes
-        self.total_epochs = total_epochs
-        self.first = max(first_noise_epoch, total_epochs - max(0, epochs))
-        self.alpha = alpha
-        self.enabled = epochs > 0 and num_samples * k_latent <= MAX_ENTRIES
-        self.too_large = epochs > 0 and not self.enabled
-        self.sum: Tensor | None = None      # (N, K_latent) float32, summed over ranks
-        self.count: Tensor | None = None    # (N,) int64
+    def __init__(self, *, num_samples: int, width: int, first: int, total_epochs: int,
+                 columns: slice | None = None, dtype: torch.dtype = torch.float32,
+                 enabled: bool = True) -> None:
+        self.num_samples, self.width = num_samples, width
+        self.first, self.total_epochs = first, total_epochs
+        self.columns, self.dtype = columns, dtype
+        self.enabled = enabled
+        self.sum: Tensor | None = None
+        self.count: Tensor | None = None
         self.epochs: list[int] = []
         self._part: Tensor | None = None
         self._part_n: Tensor | None = None
-        self.heldout: dict[str, Tensor] | None = None
+        self._open = False  # between sink and end_epoch: the same on every rank
 
     def covers(self, epoch: int) -> bool:
         return self.enabled and self.first <= epoch < self.total_epochs
@@ -111,35 +116,83 @@ class ReportAccumulator:
         if not self.covers(epoch):
             return None
         self._part = self._part_n = None
+        self._open = True
         return self.add
 
     def add(self, idx: Tensor, post: Tensor) -> None:
-        """Add a batch's posteriors ``post (B, K_latent)`` of samples ``idx (B,)`` (valid
-        rows only); stays on ``post``'s device (no host sync in the step)."""
+        """Add a batch's posteriors ``post (B, K_latent)`` of samples ``idx (B,)``."""
+        cols = post.detach() if self.columns is None else post.detach()[:, self.columns]
         if self._part is None:
-            self._part = torch.zeros(self.num_samples, self.k_latent, dtype=torch.float32,
+            self._part = torch.zeros(self.num_samples, self.width, dtype=self.dtype,
                                      device=post.device)
             self._part_n = torch.zeros(self.num_samples, dtype=torch.int64, device=post.device)
         i = idx.to(post.device, non_blocking=True).long()
-        self._part.index_add_(0, i, post.detach().float())
+        self._part.index_add_(0, i, cols.to(self.dtype))
         self._part_n.index_add_(0, i, torch.ones_like(i))
 
-    def end_epoch(self, epoch: int, reduce: Callable[[Tensor], Tensor]) -> None:
-        """Sum this epoch's part over ranks (every rank calls it) into ``sum``/``count``."""
-        if not self.covers(epoch):
+    def merge(self, reduce: Callable[[Tensor], Tensor]) -> None:
+        """Sum every rank's part since the last merge into ``sum``/``count`` (collective;
+        nothing to do, on every rank alike, outside an open epoch)."""
+        if not self._open:
             return
-        # float32: sums of at most a few probabilities, counts exact up to 2^24
-        part = (torch.zeros(self.num_samples, self.k_latent + 1, dtype=torch.float32)
+        # sums of at most a few probabilities per sample; counts exact in dtype up to 2^24
+        part = (torch.zeros(self.num_samples, self.width + 1, dtype=self.dtype)
                 if self._part is None else
-                torch.cat([self._part, self._part_n.float().unsqueeze(1)], 1).cpu())
+                torch.cat([self._part, self._part_n.to(self.dtype).unsqueeze(1)], 1).cpu())
         tot = reduce(part)
         if self.sum is None:
-            self.sum = torch.zeros(self.num_samples, self.k_latent, dtype=torch.float32)
+            self.sum = torch.zeros(self.num_samples, self.width, dtype=self.dtype)
             self.count = torch.zeros(self.num_samples, dtype=torch.int64)
         self.sum += tot[:, :-1]
         self.count += tot[:, -1].round().long()
-        self.epochs.append(int(epoch))
         self._part = self._part_n = None
+
+    def end_epoch(self, epoch: int, reduce: Callable[[Tensor], Tensor]) -> None:
+        """Merge the epoch's last part (collective) and record the epoch."""
+        if not self.covers(epoch):
+            return
+        self.merge(reduce)
+        self._open = False
+        self.epochs.append(int(epoch))
+
+    def mean(self) -> Tensor:
+        """``(N, width)`` float64: the mean over each sample's draws (NaN without any)."""
+        if self.sum is None:
+            return torch.full((self.num_samples, self.width), math.nan, dtype=torch.float64)
+        return self.sum.to(torch.float64) / self.count.unsqueeze(1).to(torch.float64)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sum": self.sum, "count": self.count, "epochs": list(self.epochs),
+                "window": [self.first, self.total_epochs]}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        if not state:
+            return
+        total = state.get("sum")
+        if total is not None and tuple(total.shape) != (self.num_samples, self.width):
+            raise ValueError(f"averaged posterior state of shape {tuple(total.shape)}; this "
+                             f"run has {(self.num_samples, self.width)}")
+        self.sum = None if total is None else total.to(self.dtype).clone()
+        self.count = None if total is None else state["count"].clone()
+        self.epochs = list(state.get("epochs", []))
+        self._part = self._part_n = None
+
+
+class ReportAccumulator(PosteriorWindow):
+    """The label-issue report's window: the whole posterior ``(N, K_latent)`` float32 over
+    the last ``epochs`` epochs (off, and saying so, above ``MAX_ENTRIES``), and the final
+    model's predictions on the noisy validation split."""
+
+    def __init__(self, *, num_samples: int, k_latent: int, num_classes: int, epochs: int,
+                 total_epochs: int, first_noise_epoch: int, alpha: Any) -> None:
+        enabled = epochs > 0 and num_samples * k_latent <= MAX_ENTRIES
+        super().__init__(num_samples=num_samples, width=k_latent,
+                         first=max(first_noise_epoch, total_epochs - max(0, epochs)),
+                         total_epochs=total_epochs, enabled=enabled)
+        self.k_latent, self.num_classes = k_latent, num_classes
+        self.alpha = alpha
+        self.too_large = epochs > 0 and not enabled
+        self.heldout: dict[str, Tensor] | None = None
 
     def record_heldout(self, probs: Tensor, idx: Tensor) -> None:
         """The final model's probabilities ``(n, K_out)`` on the noisy validation split
@@ -147,16 +200,13 @@ class ReportAccumulator:
         self.heldout = {"probs": probs.float().cpu(), "idx": idx.long().cpu()}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"sum": self.sum, "count": self.count, "epochs": list(self.epochs),
-                "alpha": self.alpha, "k_latent": self.k_latent,
-                "num_classes": self.num_classes, "heldout": self.heldout,
-                "window": [self.first, self.total_epochs]}
+        return {**super().state_dict(), "alpha": self.alpha, "k_latent": self.k_latent,
+                "num_classes": self.num_classes, "heldout": self.heldout}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         if not state:
             return
-        self.sum, self.count = state.get("sum"), state.get("count")
-        self.epochs = list(state.get("epochs", []))
+        super().load_state_dict(state)
         self.heldout = state.get("heldout")
 
 

@@ -265,22 +265,47 @@ def test_without_its_warm_up_the_outlier_class_stays_empty(tmp_path):
     assert not any(r["flag"] == "1" for r in _read_outliers(tmp_path / "outliers.csv"))
 
 
-def test_posterior_mean_gathers_by_idx_and_survives_a_checkpoint():
-    from pipeline.engine import ProcessSession
-    from pipeline.methods.lccn import PosteriorMean
+def test_posterior_window_sums_columns_over_its_epochs_and_resumes_mid_epoch():
+    """The one posterior accumulator (label-issue report, LCCN*'s p(outlier)): only the
+    window's epochs count, ``columns`` selects, a merge at a checkpoint moment makes a run
+    resumed from it end with the uninterrupted run's sums, and a wrong shape is named."""
+    from pipeline.label_issues import PosteriorWindow
 
-    acc = PosteriorMean(5, 1)
-    acc.add(torch.tensor([0, 3]), torch.tensor([[0.2], [0.9]]))
-    acc.add(torch.tensor([3]), torch.tensor([[0.5]]))
-    acc.merge(ProcessSession())
+    def window():
+        return PosteriorWindow(num_samples=5, width=1, columns=slice(2, 3), first=1,
+                               total_epochs=3, dtype=torch.float64)
+
+    post = torch.tensor([[0.1, 0.1, 0.8], [0.5, 0.4, 0.1], [0.3, 0.3, 0.4]])
+    same = lambda t: t  # noqa: E731 -- one rank: the all-reduce is the identity
+    acc = window()
+    assert acc.sink(0) is None and not acc.covers(3)
+    for epoch in (1, 2):
+        sink = acc.sink(epoch)
+        sink(torch.tensor([0, 3]), post[:2])
+        sink(torch.tensor([3]), post[2:])
+        acc.end_epoch(epoch, same)
     mean = acc.mean()[:, 0]
-    assert mean[0] == pytest.approx(0.2) and mean[3] == pytest.approx(0.7)
-    assert torch.isnan(mean[[1, 2, 4]]).all() and acc.draws.tolist() == [1, 0, 0, 2, 0]
-    again = PosteriorMean(5, 1)
-    again.load_state_dict(acc.state_dict())
-    assert torch.equal(again.draws, acc.draws)
+    assert mean[0] == pytest.approx(0.8) and mean[3] == pytest.approx(0.25)
+    assert torch.isnan(mean[[1, 2, 4]]).all() and acc.count.tolist() == [2, 0, 0, 4, 0]
+    assert acc.epochs == [1, 2]
+    acc.merge(same)  # outside an open epoch: nothing (the engine's epoch-end moment)
+    assert acc.count.tolist() == [2, 0, 0, 4, 0]
+    # interrupted in epoch 2 after its first batch: a checkpoint moment merges it
+    a = window()
+    sink = a.sink(1)
+    sink(torch.tensor([0, 3]), post[:2])
+    sink(torch.tensor([3]), post[2:])
+    a.end_epoch(1, same)
+    a.sink(2)(torch.tensor([0, 3]), post[:2])
+    a.merge(same)
+    b = window()
+    b.load_state_dict(a.state_dict())
+    b.sink(2)(torch.tensor([3]), post[2:])  # the resumed pass does the rest of epoch 2
+    b.end_epoch(2, same)
+    assert torch.equal(b.sum, acc.sum) and torch.equal(b.count, acc.count)
     with pytest.raises(ValueError, match="shape"):
-        PosteriorMean(4, 1).load_state_dict(acc.state_dict())
+        PosteriorWindow(num_samples=4, width=1, first=0, total_epochs=1).load_state_dict(
+            acc.state_dict())
 
 
 def test_outlier_prior_applies_only_during_the_outlier_warm_up():

@@ -518,6 +518,7 @@ class DivideLCCN(DivideMix):
             for k, lab in enumerate(self.labelers):
                 lab.flush()
                 self.lccn_steps[k] = lab.step_count
+        self.report.merge(self.engine.reduce_cpu)  # collective; a no-op at an epoch end
 
     def observe_chain(self, state: dict | None, *, epoch: int,
                       row: dict[str, float] | None) -> dict[str, float]:

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from pipeline.confusion import transition
 from pipeline import label_issues
-from pipeline.engine import all_gather_rows, transition_error
+from pipeline.engine import transition_error
 from pipeline.lccn import GibbsLabeler
 from pipeline.loop import predict, train_one_epoch
 from pipeline.methods.base import Method, register
@@ -27,57 +27,6 @@ from pipeline.warmup import estimate_phi_init, initial_assignment
 
 OUTLIERS_FILE = "outliers.csv"
 OUTLIER_COLUMNS = ("idx", "key", "observed", "p_outlier", "flag")
-
-
-class PosteriorMean:
-    """Per-sample mean of ``width`` columns of the Eq. 7 posterior over the draws of a
-    window of epochs, for a run whose samples are spread over ranks.
-
-    Every rank :meth:`add` s the rows of its batches to its *pending* part; :meth:`merge`
-    (a collective: every rank calls it at the same moment) gathers the pending rows of
-    all ranks by idx into rank 0's totals ``sums (N, width)`` float64 and ``draws (N,)``
-    int64. Only rank 0's totals are complete; they are what :meth:`state_dict` carries.
-    """
-
-    def __init__(self, num_samples: int, width: int = 1) -> None:
-        self.sums = torch.zeros(num_samples, width, dtype=torch.float64)
-        self.draws = torch.zeros(num_samples, dtype=torch.int64)
-        self._pending: list[tuple[Tensor, Tensor]] = []
-
-    def add(self, idx: Tensor, values: Tensor) -> None:
-        """idx (B,) int64, values (B, width): one draw's posterior columns per sample."""
-        self._pending.append((idx.detach().cpu().long(),
-                              values.detach().to("cpu", torch.float64).reshape(idx.numel(), -1)))
-
-    def merge(self, session: Any) -> None:
-        """Every rank's pending rows into rank 0's totals (collective)."""
-        width = self.sums.shape[1]
-        if self._pending:
-            rows = torch.cat([torch.cat([i.to(torch.float64).unsqueeze(1), v], 1)
-                              for i, v in self._pending])
-        else:
-            rows = torch.zeros(0, 1 + width, dtype=torch.float64)
-        self._pending = []
-        rows = all_gather_rows(session, rows)
-        if session.rank != 0 or not rows.numel():
-            return
-        idx = rows[:, 0].long()
-        self.sums.index_add_(0, idx, rows[:, 1:])
-        self.draws.index_add_(0, idx, torch.ones_like(idx))
-
-    def mean(self) -> Tensor:
-        """``(N, width)`` float64: the mean over each sample's draws (NaN without any)."""
-        return self.sums / self.draws.unsqueeze(1).to(torch.float64)
-
-    def state_dict(self) -> dict[str, Tensor]:
-        return {"sums": self.sums.clone(), "draws": self.draws.clone()}
-
-    def load_state_dict(self, state: dict[str, Tensor]) -> None:
-        if tuple(state["sums"].shape) != tuple(self.sums.shape):
-            raise ValueError(f"posterior mean state of shape {tuple(state['sums'].shape)}; "
-                             f"this run has {tuple(self.sums.shape)}")
-        self.sums, self.draws = state["sums"].clone(), state["draws"].clone()
-        self._pending = []
 
 
 def outlier_table(p_outlier: Tensor, observed: Tensor, rows: Tensor, *, threshold: float,
@@ -127,8 +76,13 @@ class LCCN(Method):
         self.lccn_step = 0
         self.labeler: GibbsLabeler | None = None
         self.pretrained_probs: Tensor | None = None
-        # LCCN*: p(outlier) averaged over the last cfg.outlier_epochs epochs' draws
-        self.outlier_mean: PosteriorMean | None = None
+        # LCCN*: p(outlier), the outlier column of the posterior averaged over the last
+        # cfg.outlier_epochs epochs' draws (float64: printed to six decimals)
+        k, o = self.num_classes, run.optim
+        self.outlier_mean = (label_issues.PosteriorWindow(
+            num_samples=engine.data.num_samples, width=1, columns=slice(k, k + 1),
+            first=max(o.pretrain_epochs, o.epochs - self.cfg.outlier_epochs),
+            total_epochs=o.epochs, dtype=torch.float64) if self.cfg.outlier else None)
         # the label-issue report: the whole posterior averaged over the last
         # cfg.report_epochs epochs (pipeline.label_issues)
         self.report = label_issues.accumulator_for(run, engine, k_latent=self.num_outputs())
@@ -173,13 +127,6 @@ class LCCN(Method):
             self.labeler.step_count = self.lccn_step
         if hasattr(self.labeler, "max_staleness"):
             self.labeler.max_staleness = 0
-        if self._in_outlier_window(epoch) and self.outlier_mean is None:
-            self.outlier_mean = PosteriorMean(self.engine.data.num_samples, 1)
-
-    def _in_outlier_window(self, epoch: int) -> bool:
-        """LCCN*: whether ``epoch``'s draws count towards the exported p(outlier)."""
-        return (self.cfg.outlier and self.in_noise_phase(epoch)
-                and epoch >= self.run.optim.epochs - self.cfg.outlier_epochs)
 
     def _active(self, epoch: int) -> GibbsLabeler | None:
         return self.labeler if self.in_noise_phase(epoch) else None
@@ -189,13 +136,9 @@ class LCCN(Method):
         m = self.members[0]
         active = self._active(epoch)
         self._epoch = epoch
-        observers = []
-        if self.outlier_mean is not None and active is not None:
-            acc = self.outlier_mean
-            observers.append(lambda idx, post: acc.add(idx, post[:, -1:]))
-        sink = self.report.sink(epoch) if active is not None else None
-        if sink is not None:
-            observers.append(sink)
+        windows = [w for w in (self.outlier_mean, self.report) if w is not None]
+        observers = ([fn for fn in (w.sink(epoch) for w in windows) if fn is not None]
+                     if active is not None else [])
 
         def observe(idx: Tensor, posterior: Tensor, valid: Tensor) -> None:
             idx, posterior = idx[valid], posterior[valid.to(posterior.device)]
@@ -209,6 +152,8 @@ class LCCN(Method):
         if self.labeler is not None:
             self.lccn_step = self.labeler.step_count
         if active is not None:
+            if self.outlier_mean is not None:
+                self.outlier_mean.end_epoch(epoch, self.engine.reduce_cpu)
             label_issues.finish_epoch(self.report, self.engine, epoch, [m.eval_model])
         return stats
 
@@ -216,8 +161,11 @@ class LCCN(Method):
         if self.labeler is not None:
             self.labeler.flush()
             self.lccn_step = self.labeler.step_count
-        if self.outlier_mean is not None:  # every rank at every moment: a collective
-            self.outlier_mean.merge(self.engine.session)
+        # every rank at every moment: collectives (no-ops, on every rank alike, at an epoch
+        # end, where train_epoch has merged them already)
+        for w in (self.outlier_mean, self.report):
+            if w is not None:
+                w.merge(self.engine.reduce_cpu)
 
     def noise_model(self) -> Tensor | None:
         """The chain's phi from this rank's replica of C (None in the CE phase, where the
@@ -254,8 +202,8 @@ class LCCN(Method):
     def final_files(self) -> dict[str, str]:
         """LCCN*: ``outliers.csv`` (:func:`outlier_table`) over every training sample (the
         noisy validation split left out), from the draws of the last ``outlier_epochs``
-        epochs, all ranks' gathered by idx (rank 0, at the run's last moment)."""
-        if self.outlier_mean is None:
+        epochs, summed over ranks (:class:`~pipeline.label_issues.PosteriorWindow`)."""
+        if self.outlier_mean is None or self.outlier_mean.sum is None:
             return {}
         eng = self.engine
         n = eng.data.num_samples
@@ -280,8 +228,9 @@ class LCCN(Method):
         self.lccn_step = int(state.get("lccn_step", 0))
         self.phi_init = state.get("phi_init")
         self.monitor.val_start = float(state.get("monitor_val_start", math.nan))
-        if state.get("outlier_mean") is not None:
-            self.outlier_mean = PosteriorMean(self.engine.data.num_samples, 1)
-            if self.engine.session.rank == 0:  # only rank 0's totals are complete
-                self.outlier_mean.load_state_dict(state["outlier_mean"])
+        saved = state.get("outlier_mean")
+        if saved is not None and self.outlier_mean is not None:
+            if "sums" in saved:  # a checkpoint of the earlier rank-0 gather format
+                saved = {"sum": saved["sums"], "count": saved["draws"]}
+            self.outlier_mean.load_state_dict(saved)
         self.report.load_state_dict(state.get(label_issues.STATE_KEY))
