@@ -113,14 +113,24 @@ def gibbs_posterior(probs: Tensor, observed: Tensor, z_old: Tensor, counts: Tens
     if phi is not None:
         if phi.shape != counts.shape:
             raise ValueError(f"phi must have shape {tuple(counts.shape)}, got {tuple(phi.shape)}")
-        cond = phi.to(dev).T[observed.long()].to(torch.float64)       # (M, K_latent), fresh
+        phi = phi.to(dev)
+    return _eq7(probs, observed.long(), z_old.long(), counts, alpha, gamma, phi, counted)
+
+
+def _eq7(probs: Tensor, observed: Tensor, z_old: Tensor, counts: Tensor,
+         alpha: float | Tensor, gamma: float | Tensor, phi: Tensor | None,
+         counted: Tensor | None) -> Tensor:
+    """The arithmetic of Eq. 7 shared by :func:`gibbs_posterior` (checked inputs) and
+    :func:`gibbs_draw` (compiled whole): no host read, no data-dependent branch. The
+    numba kernel :func:`_draw_kernel` is the same arithmetic in scalar code."""
+    if phi is not None:
+        cond = phi.T[observed].to(torch.float64)    # (M, K_latent), fresh (a gather)
     else:
         cond = conditional_transition(observed, z_old, counts, alpha, counted=counted)
-    # in place on fresh tensors (copy=True: never write into the caller's probs)
+    # in place on fresh tensors (copy=True: never write into the caller's probs); gamma
+    # multiplies unconditionally (by 1.0 exactly when off)
     logp = probs.to(torch.float64, copy=True).clamp_min_(1e-30).log_().add_(cond.log_())
-    if gamma != 1.0:
-        logp = logp * gamma
-    return torch.softmax(logp, dim=1)
+    return torch.softmax(logp.mul_(gamma), dim=1)
 
 
 def gibbs_draw(probs: Tensor, observed: Tensor, z_old: Tensor, counts: Tensor, alpha: Tensor,
@@ -136,12 +146,7 @@ def gibbs_draw(probs: Tensor, observed: Tensor, z_old: Tensor, counts: Tensor, a
     range-checked (the labeler checks them on the host). Returns the posterior
     ``(M, K_latent)``, ``z_new (M,)`` and the fraction of ``z`` that moved (0-d float32).
     """
-    if phi is not None:
-        cond = phi.T[observed].to(torch.float64)
-    else:
-        cond = conditional_transition(observed, z_old, counts, alpha)
-    logp = (probs.to(torch.float64).clamp_min(1e-30).log() + cond.log()) * gamma
-    post = torch.softmax(logp, dim=1)
+    post = _eq7(probs, observed, z_old, counts, alpha, gamma, phi, None)
     cdf = post.cumsum(1)
     z_new = torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(1).clamp_max(post.shape[1] - 1)
     changed = (z_new != z_old).to(torch.float32).mean()
