@@ -327,7 +327,7 @@ def main() -> None:
 
     # 1. ResNet-32
     train, test, what = (cifar_data(args.cifar) if not args.tiny
-                         else cifar_data(None, n_train=640, n_test=200))
+                         else cifar_data(None, n_train=250, n_test=100))
     res["cifar_data"] = what
     log(f"[1] CIFAR-10 PreAct ResNet-32 on {what}, {len(train)} train / {len(test)} test")
     if args.compile_mode is not None:
@@ -352,7 +352,7 @@ def main() -> None:
     _save(res, args)
 
     # 2. ResNet-50, synthetic in-memory
-    batch, steps = (128, args.r50_steps) if not args.tiny else (4, 2)
+    batch, steps = (128, args.r50_steps) if not args.tiny else (2, 2)
     g = torch.Generator(device=dev).manual_seed(0)
     images = torch.randn(batch * steps, 3, 224, 224, device=dev, generator=g)
     labels = torch.randint(0, 1000, (batch * steps,), device=dev, generator=g)
@@ -372,7 +372,7 @@ def main() -> None:
     if not args.no_shards:
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
-            split = write_jpeg_shards(Path(tmp), args.shard_images if not args.tiny else 48,
+            split = write_jpeg_shards(Path(tmp), args.shard_images if not args.tiny else 8,
                                       args.cifar)
             res["shards_written_s"] = time.perf_counter() - t0
             rows = []

@@ -297,12 +297,13 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def ray_head():
     """``ray start --head --block`` on free ports with a private temp dir, in its own process
-    group; teardown stops exactly that cluster (its process group, then any process whose
-    command line names its temp dir). ``ray stop --force`` is not used: it would stop every
-    Ray cluster on the machine, other people's included."""
+    group, shared by this module's job submissions; teardown stops exactly that cluster
+    (its process group, then any process whose command line names its temp dir). ``ray stop
+    --force`` is not used: it would stop every Ray cluster on the machine, other people's
+    included."""
     if not RAY.exists():
         pytest.fail(f"no ray CLI next to {sys.executable}")
     tmp = tempfile.mkdtemp(prefix="rh", dir="/tmp")  # short: Ray's socket paths are limited

@@ -87,6 +87,19 @@ def test_small_cnn_digits_input(gen):
         model(torch.randn(2, 1, 7, 7, generator=gen))
 
 
+def test_small_cnn_pools_large_inputs_to_about_32_px_first(gen):
+    """A 299 px (WebVision-shaped) input is the 9x9-average-pooled 33 px image to the
+    convolutions; 64 px and below go in as they are."""
+    from torch.nn import functional as F
+
+    model = build_model("small_cnn", 5, seed=0).eval()
+    x = torch.randn(2, 3, 299, 299, generator=gen)
+    small = torch.randn(2, 3, 64, 64, generator=gen)
+    with torch.no_grad():
+        assert torch.equal(model(x), model.fc(model.features(F.avg_pool2d(x, 9))))
+        assert torch.equal(model(small), model.fc(model.features(small)))
+
+
 @pytest.mark.parametrize("name", ["preact_resnet32", "resnet50"])
 def test_other_in_channels(name, gen):
     model = build_model(name, 5, in_channels=1, seed=0).eval()
