@@ -8,7 +8,8 @@ posterior over its latent label ``p_m(k) = p(z_m = k | x_m, ỹ_m, C¬)``. A sin
 ``z`` is noisy; the report uses the posterior *averaged over the last E epochs* of the run
 (``LCCNConfig.report_epochs``; every sample is visited once per epoch, so E sweeps of the
 chain), accumulated by :class:`ReportAccumulator` during training and summed over ranks at
-each epoch end and each checkpoint. From the mean ``p̄_m (K_latent,)`` and the observed label ``j``:
+each epoch end and each checkpoint. From the mean ``p̄_m (K_latent,)`` and the observed
+label ``j``:
 
 - mislabelled score ``1 - p̄_m[j] - p̄_m[K]`` (the probability that the true label is
   another in-distribution class), suggested label ``argmax_{k < K} p̄_m[k]``; a sample is
@@ -63,9 +64,9 @@ from torch import Tensor
 
 from pipeline.config import json_safe
 
-__all__ = ["PosteriorWindow", "ReportAccumulator", "Ranking", "LabelIssueReport", "rank_mislabelled",
-           "rank_outliers", "heldout_posterior", "cleanlab_ranking", "at_k", "build_report",
-           "main"]
+__all__ = ["PosteriorWindow", "ReportAccumulator", "Ranking", "LabelIssueReport",
+           "rank_mislabelled", "rank_outliers", "heldout_posterior", "cleanlab_ranking", "at_k",
+           "build_report", "main"]
 
 STATE_KEY = "label_report"
 # the accumulator is dense (N, K_latent) float32 on every rank: above this many entries

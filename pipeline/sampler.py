@@ -127,10 +127,13 @@ def _eq7(probs: Tensor, observed: Tensor, z_old: Tensor, counts: Tensor,
         cond = phi.T[observed].to(torch.float64)    # (M, K_latent), fresh (a gather)
     else:
         cond = conditional_transition(observed, z_old, counts, alpha, counted=counted)
-    # in place on fresh tensors (copy=True: never write into the caller's probs); gamma
-    # multiplies unconditionally (by 1.0 exactly when off)
+    # in place on fresh tensors (copy=True: never write into the caller's probs); a tensor
+    # gamma (the compiled path) multiplies unconditionally, by 1.0 exactly when off; the
+    # float 1.0 of an unannealed host step skips the pass
     logp = probs.to(torch.float64, copy=True).clamp_min_(1e-30).log_().add_(cond.log_())
-    return torch.softmax(logp.mul_(gamma), dim=1)
+    if isinstance(gamma, Tensor) or gamma != 1.0:
+        logp.mul_(gamma)
+    return torch.softmax(logp, dim=1)
 
 
 def gibbs_draw(probs: Tensor, observed: Tensor, z_old: Tensor, counts: Tensor, alpha: Tensor,

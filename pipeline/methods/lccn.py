@@ -86,6 +86,7 @@ class LCCN(Method):
         # the label-issue report: the whole posterior averaged over the last
         # cfg.report_epochs epochs (pipeline.label_issues)
         self.report = label_issues.accumulator_for(run, engine, k_latent=self.num_outputs())
+        self.windows = [w for w in (self.outlier_mean, self.report) if w is not None]
 
     def num_outputs(self) -> int:
         return self.num_classes + 1 if self.cfg.outlier else self.num_classes
@@ -136,8 +137,7 @@ class LCCN(Method):
         m = self.members[0]
         active = self._active(epoch)
         self._epoch = epoch
-        windows = [w for w in (self.outlier_mean, self.report) if w is not None]
-        observers = ([fn for fn in (w.sink(epoch) for w in windows) if fn is not None]
+        observers = ([fn for fn in (w.sink(epoch) for w in self.windows) if fn is not None]
                      if active is not None else [])
 
         def observe(idx: Tensor, posterior: Tensor, valid: Tensor) -> None:
@@ -163,9 +163,8 @@ class LCCN(Method):
             self.lccn_step = self.labeler.step_count
         # every rank at every moment: collectives (no-ops, on every rank alike, at an epoch
         # end, where train_epoch has merged them already)
-        for w in (self.outlier_mean, self.report):
-            if w is not None:
-                w.merge(self.engine.reduce_cpu)
+        for w in self.windows:
+            w.merge(self.engine.reduce_cpu)
 
     def noise_model(self) -> Tensor | None:
         """The chain's phi from this rank's replica of C (None in the CE phase, where the
