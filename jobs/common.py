@@ -32,8 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.config import (METHODS, TRANSITIONS, BaselineConfig, DivideConfig,  # noqa: E402
                              LCCNConfig, ModelConfig, MonitorConfig, OptimConfig, PerfConfig,
-                             RunConfig, json_safe)
+                             RunConfig, json_safe, scaled_lr_values)
 from pipeline.dist_worker import DistConfig  # noqa: E402
+from pipeline.data import check_label_view, check_splits  # noqa: E402
 from pipeline.labels import LabelView  # noqa: E402
 from pipeline.manifest import Manifest  # noqa: E402
 from pipeline.noise import format_transition  # noqa: E402
@@ -183,10 +184,24 @@ def resolve_recipe(args: argparse.Namespace) -> Preset:
     Idempotent."""
     dataset = getattr(args, "dataset", None) or args.preset_name
     rec = recipe(dataset, args.method)
+    given = {name for name in RECIPE_ARGS if getattr(args, name, None) is not None}
     for name in RECIPE_ARGS:
-        if getattr(args, name, None) is None:
+        if name not in given:
             value = getattr(rec, name)
             setattr(args, name, list(value) if isinstance(value, tuple) else value)
+    if rec.lr_values and "lr_values" not in given:
+        # the recipe's piecewise schedule yields to the schedule options given
+        if given & {"milestones", "lr_decay"}:  # lr decayed by lr_decay at the milestones
+            args.lr_values = []
+        elif "lr" in given:  # the recipe's phases, scaled to start at --lr
+            try:
+                args.lr_values = list(scaled_lr_values(rec.lr_values, args.lr))
+            except ValueError as e:
+                raise SystemExit(f"error: --lr: {e}") from None
+    if args.lr_values and len(args.lr_values) != len(args.milestones) + 1:
+        raise SystemExit(f"error: --lr-values {' '.join(f'{v:g}' for v in args.lr_values)} "
+                         f"needs one rate per phase, len(--milestones) + 1 = "
+                         f"{len(args.milestones) + 1} (milestones {list(args.milestones)})")
     return rec
 
 
@@ -284,11 +299,18 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
                    help="CE epochs before LCCN starts")
     m.add_argument("--batch-size", type=int, default=None,
                    help="global batch (each worker takes batch-size / num-workers)")
-    m.add_argument("--lr", type=float, default=None)
-    m.add_argument("--milestones", type=int, nargs="*", default=None)
+    m.add_argument("--lr", type=float, default=None,
+                   help="learning rate (of the first phase; a recipe's per-phase rates are "
+                        "scaled to start at it)")
+    m.add_argument("--milestones", type=int, nargs="*", default=None,
+                   help="epochs at which the lr changes (given without --lr-values: lr x "
+                        "lr-decay at each)")
     m.add_argument("--lr-values", type=float, nargs="*", default=None,
-                   help="lr of each phase between milestones (empty: lr x lr-decay per milestone)")
-    m.add_argument("--lr-decay", type=float, default=None)
+                   help="lr of each phase between milestones, len(milestones) + 1 values "
+                        "(empty: lr x lr-decay per milestone)")
+    m.add_argument("--lr-decay", type=float, default=None,
+                   help="lr factor at each milestone (given without --lr-values: replaces a "
+                        "recipe's per-phase rates)")
     m.add_argument("--weight-decay", type=float, default=None)
     m.add_argument("--alpha", type=float, default=None, help="Dirichlet alpha")
     m.add_argument("--warmup-steps", type=int, default=None,
@@ -489,6 +511,12 @@ def dist_config(args: argparse.Namespace, *, run_name: str, train: str, test: st
     from pipeline.tracking import default_tracking_uri
 
     resolve_recipe(args)
+    if "://" not in train and (test is None or "://" not in test):
+        try:  # the same check as every worker's, before Ray starts
+            check_splits(Manifest.load(train), Manifest.load(test) if test else None,
+                         world_size=args.num_workers, train_where=train, test_where=test)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
     run_dir = args.run_dir.expanduser().resolve()
     tracking = None if args.no_tracking else (args.tracking_uri or default_tracking_uri(run_dir))
     return DistConfig(
@@ -552,9 +580,18 @@ def resolve_sources(args: argparse.Namespace) -> tuple[str, str | None]:
 
 
 def load_view(args: argparse.Namespace, train: str) -> LabelView:
-    """--label-view, else the --noise spec applied to the training split's labels."""
+    """--label-view (checked against a local training split), else the --noise spec applied
+    to the training split's labels. With --label-view the trusted-set options only switch
+    LCCN+ on: the saved view carries its trusted set (``lccn-labelview --trusted``)."""
     if args.label_view is not None:
-        return LabelView.load(args.label_view)
+        view = LabelView.load(args.label_view)
+        if "://" not in train:
+            check_label_view(view, Manifest.load(train), where=train)
+        if trusted_spec(args) is not None and not view.trusted.any():
+            raise SystemExit(f"error: --label-view {args.label_view} has no trusted samples, and "
+                             f"the trusted-set options choose them only for a view built from "
+                             f"--noise; build the view with lccn-labelview --trusted '...'")
+        return view
     if "://" in train:
         raise SystemExit("error: a remote training split needs --label-view (a saved .npz; "
                          "build it with `python -m shards.labelview`)")
@@ -635,6 +672,9 @@ def run_job(args: argparse.Namespace, *, job: str, run: RunConfig, dist: DistCon
 
     from pipeline.ray_train import fit_distributed
 
+    if run.lccn.use_trusted and not view.trusted.any():
+        raise SystemExit("error: LCCN+ (a trusted-set option) was asked for, but the label view "
+                         "has no trusted samples")
     for line in log or []:
         print(line, flush=True)
     print(f"[{job}] run {dist.run_name!r} in {dist.run_dir}: {dist.num_workers} workers "

@@ -127,6 +127,16 @@ def prepare_run(args: argparse.Namespace) -> common.JobRun:
     data = args.run_dir / "data" / f"digits-seed{args.seed}"
     train, test = write_digits_shards(data, seed=args.seed)
     view = digits_view(train, rate=args.rate, seed=args.seed)
+    trusted = common.trusted_spec(args)
+    if trusted is not None:  # LCCN+: the trusted subset of the digits (keys: their file names)
+        from pipeline.noise import apply_trusted
+        from shards.labelview import read_split_labels
+
+        try:
+            view = apply_trusted(view, trusted, keys=list(read_split_labels(train)["key"]))
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
+        log.append(f"[{JOB}] LCCN+: {int(view.trusted.sum())} trusted digits")
     log.append(f"[{JOB}] {len(view)} training digits; shards in {data}")
     log.append(f"[{JOB}] {noise_note(view, args.rate)}")
     dist = common.dist_config(args, run_name=args.run_name, train=str(train), test=str(test),

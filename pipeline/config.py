@@ -416,3 +416,13 @@ def json_safe(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [json_safe(v) for v in obj]
     return obj
+
+
+def scaled_lr_values(lr_values: tuple[float, ...] | list[float], lr: float) -> tuple[float, ...]:
+    """A piecewise schedule whose first phase runs at ``lr``, the others scaled alike
+    (``(0.5, 0.1, 0.01)`` with lr 0.25 -> ``(0.25, 0.05, 0.005)``); empty stays empty."""
+    if not lr_values:
+        return ()
+    if not (lr > 0 and math.isfinite(lr)):
+        raise ValueError(f"optim.lr must be a positive number, got {lr!r}")
+    return tuple(v * lr / lr_values[0] for v in lr_values)

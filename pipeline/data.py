@@ -151,7 +151,9 @@ class LoaderConfig:
                       copy, no float pass in the training process) and the model wrapper
                       normalises them on the device (``pipeline.fastpath.wrap_model(...,
                       normalize=build_batch_transform(preset))``).
-    ood_seed:         seed passed to the open-set pixel shuffle (fixed per idx across epochs).
+    ood_seed:         seed passed to the open-set pixel shuffle (fixed per idx across epochs);
+                      None (default): the label view's ``pixel_seed``, as the in-memory
+                      trainer uses.
     http_timeout_s:   socket timeout of HTTP and s3 reads; http_retries: tries to open a URL.
     s3_endpoint_url:  endpoint of an S3-compatible store (``http(s)://host:port``); None =
                       ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, the profile's
@@ -173,7 +175,7 @@ class LoaderConfig:
     prefetch_factor: int = 2
     pin_memory: bool = False
     normalize_on: str = "host"
-    ood_seed: int = 0
+    ood_seed: int | None = None
     http_timeout_s: float = 60.0
     http_retries: int = 3
     s3_endpoint_url: str | None = None
@@ -472,10 +474,37 @@ def warn_if_class_sorted(manifest: Manifest, *, where: str) -> bool:
     return True
 
 
+def check_splits(train: Manifest, test: Manifest | None, *, world_size: int,
+                 train_where: str, test_where: str | None = None) -> None:
+    """Before a run starts (``ValueError`` otherwise): the test split has the training
+    split's classes in the same order (each split converted on its own sorts its own class
+    folders, and a class missing from one shifts every index after it), and each split has
+    at least one shard per rank (every rank reads whole shards)."""
+    if test is not None and list(test.classes) != list(train.classes):
+        raise ValueError(f"the test split {test_where} has classes {list(test.classes)[:12]} "
+                         f"but the training split {train_where} has {list(train.classes)[:12]} "
+                         f"(both must list the same classes in the same order: convert the "
+                         f"splits together, or give the class list)")
+    for m, where in ((train, train_where), (test, test_where)):
+        if m is not None and len(m.shards) < world_size:
+            raise ValueError(f"{where} has {len(m.shards)} shards, fewer than the {world_size} "
+                             f"workers: every worker reads whole shards; convert it again with "
+                             f"--shard-size at most {max(1, m.num_samples // world_size)}, or "
+                             f"run fewer workers")
+
+
 def check_label_view(label_view: LabelView | None, manifest: Manifest, *, where: str) -> None:
-    """The view must cover exactly the split's samples and classes (``ValueError`` otherwise)."""
+    """The view must cover exactly the split's samples and classes, and (where it records
+    one) have been built over this very split (``ValueError`` otherwise)."""
     if label_view is None:
         return
+    fingerprint = label_view.split_fingerprint
+    if fingerprint is not None and fingerprint != manifest.fingerprint():
+        raise ValueError(
+            f"the label view was built over other shards than {where} (split fingerprint "
+            f"{fingerprint[:12]}, the manifest's {manifest.fingerprint()[:12]}): another "
+            f"conversion (shuffle seed, source or options) puts other images at the same idx; "
+            f"build the view over these shards (lccn-labelview --split-dir ...)")
     if len(label_view) != manifest.num_samples:
         raise ValueError(
             f"label view has {len(label_view)} samples but the manifest of {where} lists "
@@ -786,7 +815,8 @@ class _RankStream(IterableDataset):
                     num_samples=self.num_samples, state=state),
             partial(_apply_labels, view=view),                # + "observed", "clean"
             partial(_apply_ood, ood=ood, fn=self.ood_transform,  # image pixel-shuffled if ood[idx]
-                    seed=cfg.ood_seed),
+                    seed=(view.pixel_seed if cfg.ood_seed is None and view is not None
+                          else cfg.ood_seed or 0)),
             partial(_augment, transform=build_sample_transform(cfg.preset, train=self.train),
                     shape=preset.shape, preset=cfg.preset,    # "image" (and "image2"):
                     views=self.views),                        # (C, H, W) uint8

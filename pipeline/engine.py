@@ -344,7 +344,7 @@ class ShardSource:
     def __init__(self, *, train_source: str, test_source: str | None, view: LabelView,
                  loader_cfg: Any, rank: int, world_size: int,
                  held_out: np.ndarray | None) -> None:
-        from pipeline.data import load_manifest, warn_if_class_sorted
+        from pipeline.data import check_splits, load_manifest, warn_if_class_sorted
 
         self.train_source, self.test_source, self.view = train_source, test_source, view
         self.cfg, self.rank, self.world_size = loader_cfg, rank, world_size
@@ -353,6 +353,8 @@ class ShardSource:
             warn_if_class_sorted(self.manifest, where=str(train_source))
         self.test_manifest = (load_manifest(test_source, cfg=loader_cfg)
                               if test_source else None)
+        check_splits(self.manifest, self.test_manifest, world_size=world_size,
+                     train_where=str(train_source), test_where=str(test_source))
         self.held_out = held_out if held_out is not None and held_out.any() else None
         self._held_t = None if self.held_out is None else torch.from_numpy(self.held_out)
         self.num_samples, self.num_classes = len(view), view.num_classes

@@ -13,6 +13,9 @@ Conventions (see docs/design.md):
   copy (open-set noise); its latent truth is the outlier class.
 - ``transition: (K_latent, K) float64`` or None: the true noise transition
   ``T[k, j] = P(observed = j | clean = k)``; rows sum to 1 (rows with no sample are zero).
+- ``split_fingerprint: str`` or None: :meth:`pipeline.manifest.Manifest.fingerprint` of the
+  split the view was built over (``shards.labelview.build_view`` sets it). A run refuses a
+  view over a split with another fingerprint: there the same idx names another image.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +44,7 @@ class LabelView:
     ood: np.ndarray | None = None
     transition: np.ndarray | None = None
     spec: dict[str, Any] = field(default_factory=dict)
+    split_fingerprint: str | None = None
 
     def __post_init__(self) -> None:
         n = len(self.observed)
@@ -85,6 +90,12 @@ class LabelView:
         return len(self.observed)
 
     @property
+    def pixel_seed(self) -> int:
+        """The seed of the open-set pixel shuffle of the ``ood`` samples: the spec's
+        ``pixel_seed``, else its ``seed`` (0 without either)."""
+        return int(self.spec.get("pixel_seed", self.spec.get("seed", 0)))
+
+    @property
     def has_outliers(self) -> bool:
         return bool(self.ood.any() or (self.clean == self.num_classes).any())
 
@@ -97,7 +108,8 @@ class LabelView:
 
     def take(self, rows: np.ndarray) -> "LabelView":
         """The view of the samples at ``rows`` (int64, in that order; they become idx
-        ``0..len(rows)-1`` of the new view). The generating ``transition`` is kept."""
+        ``0..len(rows)-1`` of the new view). The generating ``transition`` is kept; the
+        split fingerprint is not (the subset is no longer that split)."""
         rows = np.asarray(rows, dtype=np.int64)
         return LabelView(self.observed[rows], self.clean[rows], self.num_classes,
                          trusted=self.trusted[rows], ood=self.ood[rows],
@@ -120,7 +132,7 @@ class LabelView:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         meta = {"format_version": FORMAT_VERSION, "num_classes": self.num_classes,
-                "spec": self.spec}
+                "spec": self.spec, "split_fingerprint": self.split_fingerprint}
         arrays = dict(observed=self.observed, clean=self.clean, trusted=self.trusted,
                       ood=self.ood, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8))
         if self.transition is not None:
@@ -146,10 +158,16 @@ class LabelView:
             raise ValueError(f"{path}: not a readable label view ({e})") from e
         if meta.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"{path}: unsupported label view version {meta.get('format_version')}")
+        fingerprint = meta.get("split_fingerprint")
+        if "split_fingerprint" not in meta:
+            warnings.warn(f"{path}: the label view does not record the split it was built over "
+                          f"(saved by an older version), so a run cannot check that its idx "
+                          f"name the same images in these shards; rebuild it with "
+                          f"lccn-labelview", stacklevel=2)
         return cls(observed=arrays["observed"], clean=arrays["clean"],
                    num_classes=meta["num_classes"], trusted=arrays.get("trusted"),
                    ood=arrays.get("ood"), transition=arrays.get("transition"),
-                   spec=meta.get("spec", {}))
+                   spec=meta.get("spec", {}), split_fingerprint=fingerprint)
 
 
 def holdout_split(observed: np.ndarray, fraction: float, *, seed: int

@@ -58,6 +58,18 @@ class Manifest:
     def num_classes(self) -> int:
         return len(self.classes)
 
+    def fingerprint(self) -> str:
+        """sha256 over the split's classes and its shards' names, sample counts and sha256.
+        A label view records the fingerprint of the split it was built over, and a run
+        refuses a view whose split's fingerprint differs: another conversion of the same
+        images (another shuffle seed, another source) puts other images at the same idx.
+        The writer is byte-deterministic, so converting the same source with the same
+        options again gives the same fingerprint."""
+        h = hashlib.sha256(json.dumps(list(self.classes)).encode())
+        for s in self.shards:
+            h.update(f"\n{s.name}\t{s.num_samples}\t{s.sha256}".encode())
+        return h.hexdigest()
+
     def to_json(self) -> str:
         d = asdict(self)
         d["num_samples"] = self.num_samples
@@ -86,9 +98,14 @@ class Manifest:
             raise ManifestError(f"{path}: invalid JSON ({e})") from e
         if d.get("format_version") != FORMAT_VERSION:
             raise ManifestError(f"{path}: unsupported format_version {d.get('format_version')}")
-        shards = [ShardInfo(**s) for s in d["shards"]]
-        m = cls(dataset=d["dataset"], split=d["split"], classes=list(d["classes"]),
-                shards=shards, source=d.get("source", {}))
+        try:
+            shards = [ShardInfo(**s) for s in d["shards"]]
+            m = cls(dataset=d["dataset"], split=d["split"], classes=list(d["classes"]),
+                    shards=shards, source=d.get("source", {}))
+        except KeyError as e:
+            raise ManifestError(f"{path}: missing field {e}") from None
+        except TypeError as e:
+            raise ManifestError(f"{path}: malformed manifest ({e})") from None
         if "num_samples" in d and d["num_samples"] != m.num_samples:
             raise ManifestError(
                 f"{path}: num_samples {d['num_samples']} != sum over shards {m.num_samples}"

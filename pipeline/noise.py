@@ -761,20 +761,28 @@ def make_view(spec: Mapping[str, Any], clean: Any, num_classes: int, *,
         view = _make_base(spec, clean, num_classes, keys=keys, coarse=coarse,
                           observed=observed)
     if trusted is not None:
-        if not isinstance(trusted, Mapping):
-            raise ValueError(f"spec 'trusted' must be a dict, got {trusted!r}")
-        if "keys" in trusted:
-            _check_keys(trusted, {"keys"}, set(), "spec 'trusted'")
-            if keys is None:
-                raise ValueError("spec 'trusted' with 'keys' needs keys= (the key of each idx)")
-            return trusted_by_keys(view, keys, trusted["keys"])
-        _check_keys(trusted, *_TRUSTED_KEYS, "spec 'trusted'")
-        view = trusted_subset(
-            view, trusted.get("fraction"), seed=trusted["seed"], count=trusted.get("count"),
-            per_class=_flag(trusted, "per_class", True, "spec 'trusted'"),
-            include_ood=_flag(trusted, "include_ood", True, "spec 'trusted'"),
-            outliers=trusted.get("outliers"))
+        view = apply_trusted(view, trusted, keys=keys)
     return view
+
+
+def apply_trusted(view: LabelView, trusted: Mapping[str, Any], *,
+                  keys: Sequence[str] | None = None) -> LabelView:
+    """Mark the trusted subset that a spec's ``"trusted"`` entry asks for (a fraction or a
+    count with a seed, or a key list, which needs ``keys``: the key of each idx) on
+    ``view``; ``ValueError`` naming the bad entry otherwise."""
+    if not isinstance(trusted, Mapping):
+        raise ValueError(f"spec 'trusted' must be a dict, got {trusted!r}")
+    if "keys" in trusted:
+        _check_keys(trusted, {"keys"}, set(), "spec 'trusted'")
+        if keys is None:
+            raise ValueError("spec 'trusted' with 'keys' needs keys= (the key of each idx)")
+        return trusted_by_keys(view, keys, trusted["keys"])
+    _check_keys(trusted, *_TRUSTED_KEYS, "spec 'trusted'")
+    return trusted_subset(
+        view, trusted.get("fraction"), seed=trusted["seed"], count=trusted.get("count"),
+        per_class=_flag(trusted, "per_class", True, "spec 'trusted'"),
+        include_ood=_flag(trusted, "include_ood", True, "spec 'trusted'"),
+        outliers=trusted.get("outliers"))
 
 
 def _make_base(spec: dict[str, Any], clean: Any, num_classes: int, *, keys, coarse,

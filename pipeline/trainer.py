@@ -119,7 +119,7 @@ def open_set_images(images: Tensor, view: LabelView) -> Tensor:
     if images.shape[0] != len(view):
         raise ValueError(f"{images.shape[0]} images but a label view of {len(view)} samples")
     out = images.clone()
-    seed = int(view.spec.get("pixel_seed", view.spec.get("seed", 0)))
+    seed = view.pixel_seed
     for i in np.flatnonzero(view.ood):
         hwc = out[i].permute(1, 2, 0).cpu().numpy()
         out[i] = torch.from_numpy(shuffle_pixels(hwc, idx=int(i), seed=seed)).permute(2, 0, 1)

@@ -33,6 +33,7 @@ trusted subset to any spec. The command prints the realised noise rate and trans
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tarfile
@@ -268,8 +269,9 @@ def build_view(split_dir: str | Path, spec: dict[str, Any], *, labels_are_clean:
     spec = map_classes_by_name(dict(spec), list(man.classes), where=str(split_dir))
     features = (read_split_features(split_dir, size=features_size)
                 if spec.get("kind") == "instance" else None)
-    return make_view(spec, clean, man.num_classes, keys=keys, coarse=lab.get("coarse"),
+    view = make_view(spec, clean, man.num_classes, keys=keys, coarse=lab.get("coarse"),
                      observed=lab["label"], features=features)
+    return dataclasses.replace(view, split_fingerprint=man.fingerprint())
 
 
 def _parse_json_arg(text: str, what: str) -> dict[str, Any]:

@@ -433,8 +433,8 @@ def _check_record(rec: SampleRecord, position: int, num_classes: int) -> None:
         raise ShardError(f"{rec.describe()}: exactly one of data, path, pixels must be set")
     if not 0 <= rec.label < num_classes:
         raise ShardError(f"{rec.describe()}: label {rec.label} outside [0, {num_classes})")
-    if not -1 <= rec.clean <= num_classes:
-        raise ShardError(f"{rec.describe()}: clean label {rec.clean} outside [-1, {num_classes}]")
+    if not -1 <= rec.clean < num_classes:  # -1: unknown (an outlier is a label view's K)
+        raise ShardError(f"{rec.describe()}: clean label {rec.clean} outside [-1, {num_classes})")
     clash = RESERVED_FIELDS & set(rec.extras)
     if clash:
         raise ShardError(f"{rec.describe()}: extras reuse reserved field(s) {sorted(clash)}")

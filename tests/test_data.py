@@ -27,6 +27,7 @@ from pipeline.data import (
     Batch,
     LoaderConfig,
     batch_sizes,
+    check_splits,
     greedy_partition,
     make_eval_loader,
     make_train_loader,
@@ -580,3 +581,92 @@ def test_class_sorted_training_shards_are_warned_about():
         assert not warn_if_class_sorted(manifest("shards.webvision", "val"), where="")
         assert not warn_if_class_sorted(manifest("shards.clothing1m"), where="")
         assert not warn_if_class_sorted(manifest("shards.cifar"), where="")
+
+
+def test_a_view_built_over_another_conversion_of_the_split_is_refused(tmp_path, cifar_images):
+    """A label view names images by idx; another conversion (another shuffle seed or source)
+    puts other images at the same idx. The view records the split's fingerprint, and the
+    loader refuses it over shards with another one, naming both."""
+    a = write_split(tmp_path / "a", [10, 10], cifar_images)
+    b = write_split(tmp_path / "b", [10, 10], cifar_images[::-1])
+    assert a.fingerprint() != b.fingerprint()
+    assert a.fingerprint() == Manifest.load(tmp_path / "a").fingerprint()  # stable on reload
+    view = replace(shifted_view(20, cifar_images), split_fingerprint=a.fingerprint())
+    saved = LabelView.load(view.save(tmp_path / "v.npz"))
+    assert saved.split_fingerprint == a.fingerprint()
+    assert saved.take(np.arange(5)).split_fingerprint is None  # a subset is not the split
+    make_eval_loader(tmp_path / "a", saved, CFG)
+    with pytest.raises(ValueError, match=f"other shards than {tmp_path / 'b'} .*"
+                                         f"{a.fingerprint()[:12]}.*{b.fingerprint()[:12]}"):
+        make_eval_loader(tmp_path / "b", saved, CFG)
+    # a view saved before views recorded their split loads with a warning, unchecked
+    old = replace(view, split_fingerprint=None)
+    path = old.save(tmp_path / "old.npz")
+    with np.load(path) as z:
+        arrays = dict(z)
+    meta = json.loads(bytes(arrays["meta"]).decode())
+    del meta["split_fingerprint"]
+    arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+    np.savez(path, **arrays)
+    with pytest.warns(UserWarning, match="does not record the split"):
+        assert LabelView.load(path).split_fingerprint is None
+
+
+def test_splits_must_share_classes_and_have_a_shard_per_rank():
+    """check_splits (every worker, and the jobs before Ray starts): the test split's class
+    list is the training split's, in order; each split has a shard for every rank."""
+    def man(classes, shards):
+        return Manifest(dataset="d", split="s", classes=list(classes),
+                        shards=[ShardInfo(f"s-{i}.tar", 10, "0" * 64, 100) for i in range(shards)])
+
+    check_splits(man("abc", 4), man("abc", 2), world_size=2, train_where="tr", test_where="te")
+    check_splits(man("abc", 4), None, world_size=4, train_where="tr")
+    with pytest.raises(ValueError, match=r"te has classes \['b', 'c'\] but the training split "
+                                         r"tr has \['a', 'b', 'c'\]"):
+        check_splits(man("abc", 4), man("bc", 4), world_size=1, train_where="tr",
+                     test_where="te")
+    with pytest.raises(ValueError, match="te has 3 shards, fewer than the 4 workers.*"
+                                         "--shard-size at most 7"):
+        check_splits(man("abc", 8), man("abc", 3), world_size=4, train_where="tr",
+                     test_where="te")
+
+
+def test_a_malformed_manifest_names_its_file(tmp_path):
+    (tmp_path / "manifest.json").write_text(json.dumps(
+        {"format_version": 1, "dataset": "d", "split": "s", "classes": ["a", "b"],
+         "shards": [{"name": "s-0.tar", "num_samples": 3}]}))
+    with pytest.raises(ManifestError, match=f"{tmp_path / 'manifest.json'}: malformed"):
+        Manifest.load(tmp_path)
+    (tmp_path / "manifest.json").write_text(json.dumps({"format_version": 1, "split": "s"}))
+    with pytest.raises(ManifestError, match="manifest.json: missing field 'shards'"):
+        Manifest.load(tmp_path)
+
+
+def test_the_loader_shuffles_open_set_pixels_with_the_views_pixel_seed(tmp_path, cifar_images):
+    """Without an explicit ``ood_seed`` the loader uses the view's ``pixel_seed``, as the
+    in-memory trainer does (pipeline.trainer.open_set_images): both show the same images."""
+    from pipeline.noise import shuffle_pixels
+    from pipeline.trainer import open_set_images
+
+    write_split(tmp_path / "train", [10, 10], cifar_images)
+    base = shifted_view(20, cifar_images)
+    ood = np.zeros(20, bool)
+    ood[[2, 9]] = True
+    view = LabelView(observed=base.observed, clean=base.clean, num_classes=K, ood=ood,
+                     spec={"kind": "open_set", "seed": 3, "pixel_seed": 7})
+    assert view.pixel_seed == 7 and CFG.ood_seed is None
+    cfg = replace(CFG, num_workers=0, normalize_on="device")  # batches of uint8 pixels
+    shown = {}
+    for b in make_eval_loader(tmp_path / "train", view, cfg):
+        shown.update({i: x for i, x in zip(b.idx.tolist(), b.images)})
+    raw = torch.stack([torch.from_numpy(np.array(Image.open(io.BytesIO(
+        cifar_images[i][0])).convert("RGB"))).permute(2, 0, 1) for i in range(20)])
+    mem = open_set_images(raw, view)
+    for i in range(20):
+        if ood[i]:
+            px = raw[i].permute(1, 2, 0).numpy()
+            want = torch.from_numpy(shuffle_pixels(px, idx=i, seed=7)).permute(2, 0, 1)
+            assert torch.equal(mem[i], want)
+            assert not torch.equal(want, torch.from_numpy(
+                shuffle_pixels(px, idx=i, seed=0)).permute(2, 0, 1))
+        assert torch.equal(shown[i], mem[i]), i  # (PNG samples: lossless copies)

@@ -134,6 +134,65 @@ def test_lr_values_become_the_phase_learning_rates(tmp_path):
     assert rates[80] == rates[119] == pytest.approx(0.01)
 
 
+@pytest.mark.parametrize("argv, lr, milestones, values", [
+    (["--lr", "0.1"], 0.1, [40, 80], [0.1, 0.02, 0.002]),  # the recipe's phases from --lr
+    (["--lr", "0.1", "--lr-decay", "0.5"], 0.1, [40, 80], []),  # 0.1, 0.05, 0.025
+    (["--milestones", "60"], 0.5, [60], []),  # the recipe's lr, /10 at epoch 60
+    (["--lr-values", "0.2", "0.02", "0.002"], 0.5, [40, 80], [0.2, 0.02, 0.002]),
+    ([], 0.5, [40, 80], [0.5, 0.1, 0.01]),
+])
+def test_schedule_options_replace_the_recipes_piecewise_rates(argv, lr, milestones, values):
+    """The CIFAR recipe runs per-phase rates (0.5 / 0.1 / 0.01); --lr scales them, and
+    --milestones or --lr-decay without --lr-values replace them with lr x lr-decay at each
+    milestone: no schedule option is silently ignored."""
+    args, run = _configs(cifar_lccn, ["--data", "/x", *argv])
+    assert (run.optim.lr, list(run.optim.milestones)) == (pytest.approx(lr), milestones)
+    assert args.lr_values == pytest.approx(values)
+
+
+def test_lr_values_that_do_not_fit_the_milestones_are_refused_before_ray():
+    with pytest.raises(SystemExit, match="needs one rate per phase, len.--milestones. . 1 = 3"):
+        _configs(cifar_lccn, ["--data", "/x", "--lr-values", "0.1", "0.01"])
+
+
+def test_a_saved_view_over_other_shards_and_trusted_flags_it_cannot_honour(tmp_path):
+    """--label-view: a view built over another conversion of the split (same N and K, other
+    images at each idx) is refused before Ray starts; the trusted-set options do not choose
+    a trusted set inside a saved view, so one without trusted samples is refused with them."""
+    from shards.labelview import build_view
+
+    def smoke(name, seed):
+        return common.write_synthetic_shards(tmp_path / name, dataset="cifar10", num_classes=10,
+                                             size=(32, 32), n_train=64, n_test=16, seed=seed,
+                                             shard_size=16, noisy_web_labels=False,
+                                             classes=cifar_lccn.SMOKE.classes)
+
+    tr_a, te_a = smoke("a", 0)
+    tr_b, _ = smoke("b", 1)
+    view = build_view(tr_a, {"kind": "symmetric", "rate": 0.4, "seed": 0})
+    view.save(tmp_path / "view.npz")
+    base = ["--train-shards", str(tr_a), "--test-shards", str(te_a), "--run-dir",
+            str(tmp_path / "run"), "--label-view", str(tmp_path / "view.npz"),
+            "--num-workers", "1"]
+    jr = cifar_lccn.prepare_run(cifar_lccn.get_args_parser().parse_args(base))
+    assert jr.view.split_fingerprint == view.split_fingerprint is not None
+    other = list(base)
+    other[1] = str(tr_b)
+    with pytest.raises(SystemExit, match="built over other shards than .*b/train"):
+        cifar_lccn.prepare_run(cifar_lccn.get_args_parser().parse_args(other))
+    with pytest.raises(SystemExit, match="view.npz has no trusted samples"):
+        cifar_lccn.prepare_run(cifar_lccn.get_args_parser().parse_args(
+            [*base, "--trusted-fraction", "0.5"]))
+
+
+def test_quickstart_ray_builds_the_trusted_set_it_is_asked_for(tmp_path):
+    args = quickstart_ray.get_args_parser().parse_args(
+        ["--run-dir", str(tmp_path), "--trusted-fraction", "0.25"])
+    jr = quickstart_ray.prepare_run(args)
+    assert jr.run.lccn.use_trusted
+    assert abs(jr.view.trusted.mean() - 0.25) < 0.01
+
+
 def test_smoke_shards_and_views(tmp_path):
     """The generated smoke splits load as a CIFAR-like view (noise applied to clean labels)
     and a web-like view (noisy labels, half the clean labels known)."""

@@ -340,6 +340,9 @@ def test_bad_records_are_rejected(jpeg_files, tmp_path):
         write([recs[0], recs[1], recs[3]], tmp_path / "a")
     with pytest.raises(ShardError, match="label 3 outside"):
         write([replace(recs[0], label=3)], tmp_path / "b")
+    k = len(CLASSES)  # a clean label is a class or -1 (unknown); the reader refuses K too
+    with pytest.raises(ShardError, match=rf"clean label {k} outside \[-1, {k}\)"):
+        write([replace(recs[0], clean=k)], tmp_path / "b2")
     with pytest.raises(ShardError, match="reserved field"):
         write([replace(recs[0], extras={"label": 1})], tmp_path / "c")
     with pytest.raises(ShardError, match="exactly one of"):

@@ -29,11 +29,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import Any, Mapping
 
-from pipeline.config import RunConfig
+from pipeline.config import RunConfig, scaled_lr_values  # noqa: F401 (re-exported)
 
 METRIC = "val_top1"  # what a sweep ranks and stops trials by by default (noisy validation)
 MODE = "max"
@@ -218,13 +217,3 @@ def apply_point(run: RunConfig, point: Mapping[str, Any]) -> RunConfig:
         return dataclasses.replace(run, **top)
     except (TypeError, ValueError) as e:
         raise ValueError(f"sampled point {dict(point)} gives an invalid RunConfig: {e}") from e
-
-
-def scaled_lr_values(lr_values: tuple[float, ...] | list[float], lr: float) -> tuple[float, ...]:
-    """A piecewise schedule whose first phase runs at ``lr``, the others scaled alike
-    (``(0.5, 0.1, 0.01)`` with lr 0.25 -> ``(0.25, 0.05, 0.005)``); empty stays empty."""
-    if not lr_values:
-        return ()
-    if not (lr > 0 and math.isfinite(lr)):
-        raise ValueError(f"optim.lr must be a positive number, got {lr!r}")
-    return tuple(v * lr / lr_values[0] for v in lr_values)

@@ -387,7 +387,9 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
     if probe.val_fraction <= 0:
         raise SystemExit("error: a sweep ranks trials on the noisy validation split: give the "
                          "job --val-fraction > 0 (default 0.05)")
-    if probe.method != "lccn":
+    from pipeline.methods import get_method
+
+    if not get_method(probe.method).needs_chain:  # lccn and divide_lccn read run.lccn
         print(f"[sweep] note: --method {probe.method}: the lccn.* keys of the space have no "
               f"effect", flush=True)
     num_samples = args.num_samples or (3 if args.smoke_test else 8)
