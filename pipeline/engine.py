@@ -364,6 +364,13 @@ class ShardSource:
         self.trusted = torch.from_numpy(np.array(view.trusted))
         self.transition = view.transition
 
+    def geometry(self) -> dict[str, int]:
+        """What fixes the order of an epoch's batches besides (seed, epoch): a checkpoint
+        taken mid-epoch resumes at its batch only under the same values."""
+        return {"world_size": int(self.world_size), "batch_per_rank": int(self.cfg.batch_size),
+                "loader_workers": int(self.cfg.num_workers),
+                "shuffle_buffer": int(self.cfg.shuffle_buffer)}
+
     def train_batches(self, epoch: int, start_batch: int = 0, *, views: int = 1) -> _ShardPass:
         from pipeline.data import make_train_loader
 
@@ -646,16 +653,18 @@ _REDUCED = ("loss", "label_recovery", "changed", "staleness", "gamma", "step_tim
 
 def _epoch_row(stats: dict[str, float], session: Session, *, epoch: int, global_step: int,
                lr: float, phase: bool) -> dict[str, float]:
-    """Train stats averaged over ranks (images_per_s summed: the run's throughput)."""
+    """Train stats averaged over the ranks that measured them (NaN: no known clean label in
+    a rank's share, or not measured; NaN only when no rank has a value), the same on every
+    rank; images_per_s summed: the run's throughput."""
     vals = torch.tensor([stats.get(key, float("nan")) for key in _REDUCED], dtype=torch.float64)
-    nan = torch.isnan(vals)
-    vals = torch.nan_to_num(vals, nan=0.0)
-    tot = session.all_reduce_sum(vals.to(session.device)).cpu() / session.world_size
-    row = dict(zip(_REDUCED, tot.tolist()))
-    row["images_per_s"] *= session.world_size
-    for key, missing in zip(_REDUCED, nan.tolist()):
-        if missing:  # NaN on this rank (no known clean label, or not measured): NaN
-            row[key] = float("nan")
+    have = torch.isfinite(vals)
+    both = torch.cat([torch.where(have, vals, torch.zeros_like(vals)), have.double()])
+    tot = session.all_reduce_sum(both.to(session.device)).cpu()
+    sums, ranks = tot[:len(_REDUCED)], tot[len(_REDUCED):]
+    mean = torch.where(ranks > 0, sums / ranks.clamp(min=1), torch.full_like(sums, float("nan")))
+    row = dict(zip(_REDUCED, mean.tolist()))
+    i = _REDUCED.index("images_per_s")
+    row["images_per_s"] = float(sums[i]) if ranks[i] > 0 else float("nan")
     row["steps_per_s"] = 1.0 / row["step_time"] if row["step_time"] > 0 else 0.0
     row.update(epoch=float(epoch), global_step=float(global_step), lr=float(lr),
                phase=1.0 if phase else 0.0)
@@ -808,6 +817,18 @@ class Engine:
             m.optimizer.load_state_dict(os_)
             m.scheduler.load_state_dict(ss)
         self.start_epoch, self.start_batch = int(state["epoch"]), int(state["batch"])
+        saved = state.get("data_geometry")
+        now = self.data.geometry() if hasattr(self.data, "geometry") else None
+        if self.start_batch > 0 and saved is not None and now is not None and saved != now:
+            diff = ", ".join(f"{k} {saved.get(k)} -> {now.get(k)}" for k in sorted(now)
+                             if saved.get(k) != now.get(k))
+            raise ValueError(
+                f"the checkpoint was taken at batch {self.start_batch} of epoch "
+                f"{self.start_epoch}, whose batch order depends on the workers ({diff}): "
+                f"resuming there would train some samples twice and skip others; resume "
+                f"with the checkpoint's values (world_size = --num-workers, loader_workers = "
+                f"--loader-workers, batch_per_rank = --batch-size / --num-workers, "
+                f"--shuffle-buffer) or start a new run")
         self.global_step = int(state["global_step"])
         self.run_id = state["mlflow_run_id"]
         self.history = list(state["history"])
@@ -889,10 +910,11 @@ class Engine:
                 self.options.after_step(self.global_step)
 
         stats = method.train_epoch(epoch, train_pass, after_step)
+        lr = self.members[0].optimizer.param_groups[0]["lr"]  # this epoch's, not the next's
         for m in self.members:
             m.scheduler.step()
-        row = _epoch_row(stats, session, epoch=epoch, global_step=self.global_step,
-                         lr=self.members[0].optimizer.param_groups[0]["lr"], phase=phase)
+        row = _epoch_row(stats, session, epoch=epoch, global_step=self.global_step, lr=lr,
+                         phase=phase)
         val = self.val_scores()
         row["val_top1"], row["val_nll"] = val["top1"], val["nll"]
         test = self.data.test_batches()
@@ -955,10 +977,11 @@ class Engine:
         if chain_state is not None:
             metrics["store_version"] = float(chain_state["version"])
             metrics.update(self.chain.stats())
-        if not checkpointing:
+        if not checkpointing:  # (the local trainer) tracked all the same
             if final:
                 self._final_files(None)
             session.report(metrics, None)
+            self._track(epoch, batch, metrics, chain_state, final=final, checkpoint_dir=None)
             return
         state = {
             "models": [m.model.state_dict() for m in self.members],
@@ -969,6 +992,7 @@ class Engine:
             "method_name": self.run.method, "k_latent": self.k_latent,
             "num_samples": self.data.num_samples,
             "data": self.data.state_dict() if hasattr(self.data, "state_dict") else None,
+            "data_geometry": self.data.geometry() if hasattr(self.data, "geometry") else None,
         }
         state.update(model=state["models"][0], optimizer=state["optimizers"][0],
                      scheduler=state["schedulers"][0])
@@ -978,7 +1002,6 @@ class Engine:
             raise RuntimeError(f"method {self.run.method!r} state keys {sorted(clash)} clash "
                                f"with the engine's")
         state.update(method_state)
-        tracker, t = self.tracker, self.options.tracking
         with tempfile.TemporaryDirectory(prefix="lccn-ckpt-") as tmp:
             torch.save(state, Path(tmp) / STATE_FILE)
             meta = {"epoch": epoch, "batch": batch, "global_step": self.global_step,
@@ -986,20 +1009,29 @@ class Engine:
                     "mlflow_run_id": self.run_id, "run_name": self.options.run_name,
                     "store_version": None if chain_state is None else int(chain_state["version"])}
             (Path(tmp) / META_FILE).write_text(json.dumps(meta, indent=1))
-            counts = chain_counts(chain_state)
-            phi = (transition(counts) if counts is not None
-                   else self.method.current_transition())
-            if tracker is not None and batch == 0:
-                tracker.log_metrics(metrics, step=epoch - 1)
-                if (phi is not None and self.method.noise_phase_started() and t.transition_every
-                        and (final or epoch % t.transition_every == 0)):
-                    tracker.log_transition(phi, epoch=epoch - 1, truth=self.data.transition,
-                                           class_names=list(t.class_names) or None)
             if final:
                 self._final_files(tmp)
             session.report(metrics, tmp)
-            if tracker is not None and final:
-                tracker.log_curves(self.history)
-                if phi is not None:
-                    tracker.log_final(phi, checkpoint_dir=tmp,
-                                      class_names=list(t.class_names) or None)
+            # tracked once the checkpoint is registered: a group restarted before it re-runs
+            # the epoch and logs that run's figures, never two sets for one step
+            self._track(epoch, batch, metrics, chain_state, final=final, checkpoint_dir=tmp)
+
+    def _track(self, epoch: int, batch: int, metrics: dict[str, float], chain_state: Any, *,
+               final: bool, checkpoint_dir: str | None) -> None:
+        """Rank 0, at a moment: an epoch end's metrics (step = the epoch) and transition
+        heat map; at the run's end the curves, ``transition.csv`` (methods with a transition)
+        and the final checkpoint under ``checkpoint/``."""
+        tracker, t = self.tracker, self.options.tracking
+        if tracker is None or batch != 0:
+            return
+        counts = chain_counts(chain_state)
+        phi = transition(counts) if counts is not None else self.method.current_transition()
+        tracker.log_metrics(metrics, step=epoch - 1)
+        if (phi is not None and self.method.noise_phase_started() and t.transition_every
+                and (final or epoch % t.transition_every == 0)):
+            tracker.log_transition(phi, epoch=epoch - 1, truth=self.data.transition,
+                                   class_names=list(t.class_names) or None)
+        if final:
+            tracker.log_curves(self.history)
+            tracker.log_final(phi, checkpoint_dir=checkpoint_dir,
+                              class_names=list(t.class_names) or None)

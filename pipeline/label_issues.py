@@ -196,7 +196,7 @@ class ReportAccumulator(PosteriorWindow):
         self.heldout: dict[str, Tensor] | None = None
 
     def record_heldout(self, probs: Tensor, idx: Tensor) -> None:
-        """The final model's probabilities ``(n, K_out)`` on the noisy validation split
+        """The latest model's probabilities ``(n, K_out)`` on the noisy validation split
         (gathered from every rank) and their ``idx (n,)``."""
         self.heldout = {"probs": probs.float().cpu(), "idx": idx.long().cpu()}
 
@@ -248,13 +248,14 @@ def accumulator_for(run: Any, engine: Any, *, k_latent: int) -> ReportAccumulato
 
 def finish_epoch(acc: ReportAccumulator, engine: Any, epoch: int,
                  models: Sequence[torch.nn.Module]) -> None:
-    """Every rank, after an epoch's training pass: sum the epoch's posteriors over ranks;
-    after the run's last epoch also record the final ``models``' predictions on the noisy
-    validation split (the out-of-sample predictions cleanlab is compared on)."""
+    """Every rank, after an epoch's training pass: sum the epoch's posteriors over ranks and
+    record the ``models``' predictions on the noisy validation split (the out-of-sample
+    predictions cleanlab is compared on), replacing the last epoch's: a run that stops
+    early (the collapse monitor) still reports on the model it ended with."""
     if not acc.covers(epoch):
         return
     acc.end_epoch(epoch, engine.reduce_cpu)
-    if epoch == acc.total_epochs - 1 and getattr(engine.data, "held_out", None) is not None:
+    if getattr(engine.data, "held_out", None) is not None:
         from pipeline.engine import all_gather_rows
 
         got = heldout_predictions(models, engine.data.val_batches(), width=engine.k_latent,

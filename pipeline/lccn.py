@@ -83,7 +83,7 @@ class GibbsLabeler:
     device: where the replica of C lives and Eq. 7 runs (default: the device of
     ``counts``). On an accelerator nothing in :meth:`sample` waits for the device: the
     range checks run on the host copies of ``observed`` and ``z_old``, the draws come
-    from a generator on that device (``generator``'s seed, a separate stream), and the
+    from a generator on that device (seeded by a draw from ``generator``), and the
     returned ``z`` stays on the device (the caller copies it to the host for
     :meth:`commit`, e.g. with :class:`pipeline.fastpath.HostStage`).
     """
@@ -106,9 +106,12 @@ class GibbsLabeler:
                                    else max_steps)
         if generator.device.type != dev.type:
             # one stream per device: Eq. 7's draws on an accelerator come from a generator
-            # there, seeded from the given one's seed
+            # there, seeded by a draw from the given one. Its state then decides the seed:
+            # two labelers over one generator (DivideLCCN's two chains in one process) get
+            # two streams, and a labeler made again after a resume (generator restored from
+            # the checkpoint) does not replay the stream of the phase's start
             device_gen = torch.Generator(device=dev)
-            device_gen.manual_seed(generator.initial_seed())
+            device_gen.manual_seed(int(torch.randint(0, 2**62, (1,), generator=generator)))
             generator = device_gen
         self.generator = generator
         # compile_mode != "off": the device core of the step (pipeline.sampler.gibbs_draw)

@@ -42,8 +42,12 @@ def soft_cross_entropy(logits: Tensor, target: Tensor, *, xi: float = 1e-20,
         raise ValueError(f"target must be {tuple(logits.shape)}, got {tuple(target.shape)}")
     upper = math.log1p(-xi) if xi > 1e-15 else 0.0
     logp = torch.log_softmax(logits.float(), dim=1).clamp(math.log(xi), upper)
-    loss = -(target.to(logp.dtype) * logp).sum(1)
+    target = target.to(logp.dtype)
     if weight is None:
-        return loss.mean()
-    w = weight.to(loss.dtype)
+        return -(target * logp).sum(1).mean()
+    w = weight.to(logp.dtype)
+    # a row of weight 0 (padding) adds nothing, whatever its target holds: a padding row
+    # that is not in C can get a non-finite Eq. 7 posterior, and NaN x 0 is NaN
+    target = torch.where((w > 0).unsqueeze(1), target, torch.zeros_like(target))
+    loss = -(target * logp).sum(1)
     return (loss * w).sum() / w.sum().clamp_min(1.0)

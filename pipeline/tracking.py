@@ -319,13 +319,16 @@ class Tracker:
 
     def log_final(self, phi, *, checkpoint_dir: str | os.PathLike | None = None,
                   class_names: Sequence[str] | None = None) -> None:
-        """``transition.csv`` (header row/col of class names) and, when given, the files of
-        ``checkpoint_dir`` under ``checkpoint/``."""
+        """``transition.csv`` (header row/col of class names; none when ``phi`` is None: a
+        method without a transition) and, when given, the files of ``checkpoint_dir`` under
+        ``checkpoint/``."""
         self._need_run()
         if checkpoint_dir is not None and not Path(checkpoint_dir).is_dir():
             raise FileNotFoundError(f"checkpoint_dir {checkpoint_dir} is not a directory")
-        with tempfile.TemporaryDirectory(prefix="lccn-track-") as tmp:
-            path = write_transition_csv(Path(tmp) / "transition.csv", phi, class_names=class_names)
-            self.client.log_artifact(self.run_id, str(path))
+        if phi is not None:
+            with tempfile.TemporaryDirectory(prefix="lccn-track-") as tmp:
+                path = write_transition_csv(Path(tmp) / "transition.csv", phi,
+                                            class_names=class_names)
+                self.client.log_artifact(self.run_id, str(path))
         if checkpoint_dir is not None:
             self.client.log_artifacts(self.run_id, str(checkpoint_dir), artifact_path="checkpoint")

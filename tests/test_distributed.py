@@ -215,6 +215,50 @@ def test_resume_after_failure_is_exact(digits, tmp_path, one_thread, commit_ever
     assert torch.equal(b["store"]["z"], store.z) and b["store"]["version"] == store.version
 
 
+def test_a_mid_epoch_checkpoint_is_not_resumed_under_another_batch_order(digits, tmp_path,
+                                                                         one_thread):
+    """The order of an epoch's batches depends on the workers (ranks, loader processes,
+    per-rank batch, shuffle buffer): a checkpoint taken mid-epoch refuses a resume under
+    other values, naming them, instead of training some samples twice and skipping others."""
+    run, dist, view, z0, counted = _local_run(digits, tmp_path, inject="0:45:raise")
+    store = StoreActor(torch.from_numpy(view.observed), z0, 10, 10, counted=counted)
+    session = LocalSession(tmp_path / "ckpt")
+    with pytest.raises(RuntimeError, match="injected failure at step 45"):
+        run_worker(run, dist, view, LocalStoreClient(store), session)
+    other = replace(dist, shuffle_buffer=50, inject_failure="")
+    with pytest.raises(ValueError, match="batch 2 of epoch 2, .*shuffle_buffer 100 -> 50"):
+        run_worker(run, other, view, LocalStoreClient(store), session)
+    rows = run_worker(run, replace(dist, inject_failure=""), view, LocalStoreClient(store),
+                      session)  # the checkpoint's values resume
+    assert rows[0]["resumed_batch"] == 2
+
+
+def test_a_ce_run_tracks_each_epoch_once_with_its_lr_and_the_final_checkpoint(digits, tmp_path,
+                                                                            one_thread):
+    """MLflow gets one value per epoch (step = epoch) with the rate the epoch trained at,
+    and every method's final checkpoint under checkpoint/, not only those with a
+    transition."""
+    from mlflow import MlflowClient
+
+    run, dist, view, _, _ = _local_run(digits, tmp_path, epochs=3)
+    run = replace(run, method="ce", optim=replace(run.optim, milestones=(1,), lr_decay=0.1))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    dist = replace(dist, tracking_uri=uri, experiment="ce-tracked")
+    rows = run_worker(run, dist, view, None, LocalSession(tmp_path / "ckpt"))
+    assert [r["lr"] for r in rows] == pytest.approx([0.05, 0.005, 0.005])
+    client = MlflowClient(tracking_uri=uri)
+    (mlrun,) = client.search_runs([client.get_experiment_by_name("ce-tracked").experiment_id])
+    lr = client.get_metric_history(mlrun.info.run_id, "lr")
+    assert sorted((m.step, round(m.value, 6)) for m in lr) == [(0, 0.05), (1, 0.005),
+                                                                 (2, 0.005)]
+    assert sorted(m.step for m in client.get_metric_history(mlrun.info.run_id, "val_top1")) \
+        == [0, 1, 2]
+    files = {f.path for f in client.list_artifacts(mlrun.info.run_id)}
+    assert "checkpoint" in files and "transition.csv" not in files
+    ckpt = {f.path for f in client.list_artifacts(mlrun.info.run_id, "checkpoint")}
+    assert "checkpoint/state.pt" in ckpt
+
+
 def test_outlier_export_survives_a_failure_in_its_window(digits, tmp_path, one_thread):
     """LCCN*'s p(outlier) average rides in the checkpoints: a worker that fails in the
     last epoch (the averaging window, after a mid-epoch checkpoint) and resumes writes the

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 
+import numpy as np
 import pytest
 import torch
 
@@ -67,3 +68,37 @@ def test_all_gather_rows_concatenates_uneven_shares_in_rank_order():
         result = dict(out)
     want = [[0, 0], [1, 0], [10, 1], [11, 1], [12, 1]]
     assert result[0] == result[1] == (want, 5.0)
+
+
+class _TwoRanks:
+    """Rank 0 of two: all_reduce_sum adds the other rank's tensor."""
+
+    rank, world_size, device = 0, 2, torch.device("cpu")
+
+    def __init__(self, other):
+        self.other = other
+
+    def all_reduce_sum(self, t):
+        return t + self.other(t)
+
+
+def test_epoch_stats_average_over_the_ranks_that_measured_them():
+    """A rank without a value (NaN: no known clean label in its share) neither halves the
+    others' mean nor turns it into NaN on the logging rank; NaN only when no rank has one;
+    images_per_s is the sum."""
+    from pipeline.engine import _REDUCED, _epoch_row
+
+    mine = {"loss": 1.0, "label_recovery": 0.9, "images_per_s": 100.0, "step_time": 0.5,
+            "changed": float("nan")}
+    theirs = {"loss": 3.0, "label_recovery": float("nan"), "images_per_s": 50.0,
+              "step_time": 0.5, "changed": float("nan")}
+
+    def other(t):  # the same packing as _epoch_row's: values (NaN -> 0), then 1 per value
+        vals = torch.tensor([theirs.get(k, float("nan")) for k in _REDUCED], dtype=torch.float64)
+        have = torch.isfinite(vals)
+        return torch.cat([torch.where(have, vals, torch.zeros_like(vals)), have.double()])
+
+    row = _epoch_row(mine, _TwoRanks(other), epoch=1, global_step=10, lr=0.1, phase=True)
+    assert row["loss"] == 2.0 and row["label_recovery"] == pytest.approx(0.9)
+    assert row["images_per_s"] == 150.0 and row["steps_per_s"] == 2.0
+    assert np.isnan(row["changed"]) and np.isnan(row["staleness"])

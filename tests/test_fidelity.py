@@ -102,6 +102,18 @@ def test_soft_cross_entropy_is_the_expected_clipped_loss():
     assert torch.allclose(loss, expected)
     loss.backward()
     assert torch.allclose(logits.grad, (torch.softmax(logits, 1) - q).detach() / 7, atol=1e-6)
+    # a padding row (weight 0) adds nothing, even with a non-finite target: an
+    # all-held-out batch's padding sample is not in C and Eq. 7 can give it NaN
+    logits.grad = None
+    bad = q.clone()
+    bad[2] = float("nan")
+    w = torch.ones(7)
+    w[2] = 0
+    loss = soft_cross_entropy(logits, bad, weight=w)
+    loss.backward()
+    keep = torch.arange(7) != 2
+    assert torch.allclose(loss, soft_cross_entropy(logits[keep], q[keep]))
+    assert torch.isfinite(logits.grad).all() and (logits.grad[2] == 0).all()
 
 
 def test_labeler_posterior_is_the_eq7_conditional_and_draws_are_unchanged():

@@ -245,7 +245,11 @@ def test_lccn_star_exports_p_outlier_that_ranks_planted_outliers_first(tmp_path)
 
     client = MlflowClient(tracking_uri=uri)
     run_id = trainer.engine.run_id
-    assert "outliers.csv" in {f.path for f in client.list_artifacts(run_id)}
+    files = {f.path for f in client.list_artifacts(run_id)}
+    assert {"outliers.csv", "transition.csv", "curves.png", "transitions"} <= files
+    # the local trainer's run carries every epoch's metrics, as a distributed one does
+    assert sorted(m.step for m in client.get_metric_history(run_id, "val_top1")) == \
+        list(range(_star_cfg().optim.epochs))
     got = Path(client.download_artifacts(run_id, "outliers.csv", str(tmp_path / "dl")))
     assert got.read_text() == (tmp_path / "out" / "outliers.csv").read_text()
 
