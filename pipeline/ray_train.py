@@ -115,9 +115,15 @@ class RaySession(TorchCollectives):
             chosen = str(found) if found is not None else registered
             if found is not None and registered is not None and \
                     Path(registered).name != found.name:
-                print(f"resuming from {found.name} (step {_step_of(found)}), newer than the "
-                      f"last checkpoint Ray Train registered, {Path(registered).name} (step "
-                      f"{_step_of(Path(registered))}): its report was lost with the failure",
+                reg_step, found_step = _step_of(Path(registered)), _step_of(found)
+                if reg_step is not None and found_step is not None and found_step < reg_step:
+                    why = (f"older than the last checkpoint Ray Train registered, "
+                           f"{Path(registered).name} (step {reg_step}), which does not load")
+                else:
+                    why = (f"newer than the last checkpoint Ray Train registered, "
+                           f"{Path(registered).name} (step {reg_step}): its report was lost "
+                           f"with the failure")
+                print(f"resuming from {found.name} (step {found_step}), {why}",
                       file=sys.__stdout__, flush=True)
         if self._dist():
             box = [chosen]
@@ -325,7 +331,9 @@ def newest_complete_checkpoint(root: str | os.PathLike) -> Path | None:
     for step, _, d in sorted(found, reverse=True):
         try:
             state = load_state(d)
-        except Exception:  # noqa: BLE001 - truncated/partial file: not complete
+        except Exception as e:  # noqa: BLE001 - truncated/partial file: not complete
+            print(f"skipping {d} (step {step}): it does not load ({type(e).__name__}: {e})",
+                  file=sys.__stdout__, flush=True)
             continue
         if int(state.get("global_step", -1)) == step:
             return d
