@@ -392,13 +392,18 @@ def uniform_prior_penalty(logits: Tensor, prior: Tensor | None = None) -> Tensor
     return (pi * torch.log(pi / mean)).sum()
 
 
-def conf_penalty(logits: Tensor) -> Tensor:
+def conf_penalty(logits: Tensor, *, weight: Tensor | None = None) -> Tensor:
     """The negative-entropy penalty DivideMix adds to the warm-up cross-entropy under
     asymmetric noise (and always on Clothing1M): ``mean_m Σ_k p_mk log p_mk`` with
     ``p = softmax(logits)``; minimising it discourages over-confident predictions.
-    logits: (M, K). Returns a scalar in ``[-log K, 0]``."""
+    logits: (M, K); weight (M,): a weighted mean instead (0 for padding rows). Returns a
+    scalar in ``[-log K, 0]``."""
     logp = F.log_softmax(logits, dim=1)
-    return (logp.exp() * logp).sum(1).mean()
+    neg_entropy = (logp.exp() * logp).sum(1)
+    if weight is None:
+        return neg_entropy.mean()
+    w = weight.to(neg_entropy.dtype)
+    return (neg_entropy * w).sum() / w.sum().clamp_min(1.0)
 
 
 # --------------------------------------------------------------------------------------

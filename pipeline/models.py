@@ -110,8 +110,9 @@ class PreActBlock(nn.Module):
 
     - ``"zero_pad"`` (CIFAR option A): ``x`` itself, or where shape changes, ``x``
       average-pooled by ``stride`` and zero-padded to ``cout`` channels; no parameters.
-    - ``"conv"`` (option B, as in DivideMix): a 1x1 strided conv of ``relu(bn1(x))``
-      where the shape changes, else ``x``.
+    - ``"conv"`` (option B, as DivideMix's ``PreResNet.py``): a 1x1 strided conv of
+      ``relu(bn1(x))`` where the shape changes, else ``relu(bn1(x))`` itself (DivideMix's
+      empty ``nn.Sequential`` shortcut applied to the pre-activation, not to ``x``).
 
     x: (N, cin, H, W) -> (N, cout, H / stride, W / stride).
     """
@@ -124,7 +125,7 @@ class PreActBlock(nn.Module):
         self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=False)
         self.bn2 = nn.BatchNorm2d(cout)
         self.conv2 = nn.Conv2d(cout, cout, 3, stride=1, padding=1, bias=False)
-        self.stride = stride
+        self.stride, self.shortcut = stride, shortcut
         self.pad_channels = 0
         self.proj: nn.Module | None = None
         if stride != 1 or cin != cout:
@@ -143,8 +144,8 @@ class PreActBlock(nn.Module):
             shortcut = F.avg_pool2d(x, self.stride) if self.stride != 1 else x
             lo = self.pad_channels // 2
             shortcut = F.pad(shortcut, (0, 0, 0, 0, lo, self.pad_channels - lo))
-        else:
-            shortcut = x
+        else:  # the identity: of x (option A, He et al.), of relu(bn1(x)) (DivideMix)
+            shortcut = pre if self.shortcut == "conv" else x
         out = self.conv1(pre)
         out = self.conv2(F.relu(self.bn2(out)))
         return out + shortcut

@@ -314,6 +314,10 @@ def test_conf_penalty():
     expected = 0.5 * (0.75 * math.log(0.75) + 0.25 * math.log(0.25)) + 0.5 * math.log(0.5)
     assert math.isclose(conf_penalty(logits).item(), expected, rel_tol=1e-6)
     assert math.isclose(conf_penalty(torch.zeros(2, 5)).item(), -math.log(5), rel_tol=1e-6)
+    # weighted: a padding row (weight 0) adds nothing
+    padded = torch.cat([logits, torch.tensor([[5.0, -5.0]])])
+    assert math.isclose(conf_penalty(padded, weight=torch.tensor([1.0, 1.0, 0.0])).item(),
+                        expected, rel_tol=1e-6)
 
 
 # ---------------------------------------------------------------------- evaluation

@@ -96,6 +96,35 @@ def test_warm_up_negative_entropy_penalty(digits):
     assert out[True][1] > out[False][1] + 0.05          # higher prediction entropy
 
 
+@pytest.mark.parametrize("lambda_u, labelled_only", [(0.0, True), (25.0, False)])
+def test_without_an_unlabelled_loss_only_the_mixed_labelled_rows_are_trained_on(
+        digits, monkeypatch, lambda_u, labelled_only):
+    """lambda_u 0 (the Clothing1M / WebVision presets): as DivideMix's code for them, the
+    network forwards and trains on the mixed labelled rows alone (their partners drawn from
+    the whole batch), the prior penalty over them; otherwise on every mixed row."""
+    import pipeline.methods.divide as divide_method
+
+    seen = []
+    real_mix, real_pen = divide_method.mixmatch, divide_method.uniform_prior_penalty
+
+    def mix(*args, **kwargs):
+        out = real_mix(*args, **kwargs)
+        seen.append([out.n_labelled, out.inputs.shape[0]])
+        return out
+
+    def pen(logits, *args, **kwargs):
+        seen[-1].append(logits.shape[0])
+        return real_pen(logits, *args, **kwargs)
+
+    monkeypatch.setattr(divide_method, "mixmatch", mix)
+    monkeypatch.setattr(divide_method, "uniform_prior_penalty", pen)
+    train, test = digits
+    LocalTrainer(_cfg("dividemix", epochs=3, pretrain=2, lambda_u=lambda_u), train, test).fit()
+    steps = [s for s in seen if 0 < s[0] < s[1]]  # batches with both parts
+    assert len(steps) > 10
+    assert all(trained == (nl if labelled_only else total) for nl, total, trained in steps)
+
+
 @pytest.mark.parametrize("method", ["dividemix", "divide_lccn"])
 def test_the_division_separates_the_planted_noisy_samples(runs, method):
     trainer, hist = runs[method]

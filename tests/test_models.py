@@ -194,3 +194,25 @@ def test_resnet50_pretrained_loads_cached_weights(tmp_path, monkeypatch):
     assert not torch.equal(got["fc.weight"][:14], ref["fc.weight"][:14].half().float())
     with pytest.raises(ValueError, match="in_channels=1"):
         build_model("resnet50", 14, in_channels=1, pretrained=True)
+
+
+def test_preact_blocks_follow_their_references(gen):
+    """preact_resnet18 is DivideMix's PreResNet.py: the identity shortcut carries
+    relu(bn1(x)); preact_resnet32 (He et al. 2016, option A) carries x itself."""
+    import torch.nn.functional as F
+
+    from pipeline.models import PreActBlock
+
+    x = torch.randn(2, 16, 8, 8, generator=gen)
+    for shortcut in ("conv", "zero_pad"):
+        block = PreActBlock(16, 16, shortcut=shortcut).eval()
+        with torch.no_grad():
+            for bn in (block.bn1, block.bn2):  # non-trivial statistics
+                bn.running_mean.uniform_(-1, 1)
+                bn.running_var.uniform_(0.5, 2)
+            pre = F.relu(block.bn1(x))
+            body = block.conv2(F.relu(block.bn2(block.conv1(pre))))
+            want = body + (pre if shortcut == "conv" else x)
+            assert torch.allclose(block(x), want, atol=1e-6), shortcut
+    net = build_model("preact_resnet18", 10)
+    assert all(b.shortcut == "conv" for b in net.modules() if isinstance(b, PreActBlock))

@@ -189,8 +189,8 @@ class DivideMix(Method):
                 m.model.train()
                 logits = m.train_model(x).float()
                 loss = (F.cross_entropy(logits, y, reduction="none") * valid).sum() / nvalid
-                if self.cfg.conf_penalty:
-                    loss = loss + conf_penalty(logits)
+                if self.cfg.conf_penalty:  # over the real rows only, as the loss
+                    loss = loss + conf_penalty(logits, weight=valid)
                 m.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 m.optimizer.step()
@@ -272,20 +272,29 @@ class DivideMix(Method):
                          torch.cat([x1[unl], x2[unl]]), torch.cat([t_u, t_u]),
                          cfg.mixmatch_alpha, generator=gen)
         own.model.train()
-        logits = own.train_model(mixed.inputs).float()
         nl = mixed.n_labelled
-        zero = logits.sum() * 0.0
-        lx, lu = zero, zero
-        if nl and nl < logits.shape[0]:
-            lx, lu = semi_loss(logits[:nl], mixed.targets[:nl], logits[nl:], mixed.targets[nl:])
-        elif nl:
-            lx = -(F.log_softmax(logits, 1) * mixed.targets).sum(1).mean()
+        if cfg.lambda_u == 0 and nl:
+            # no unlabelled loss (the web presets): as DivideMix's Clothing1M / WebVision
+            # code, only the mixed labelled rows (partners from the whole batch) are
+            # forwarded and trained on, the prior penalty over them alone
+            logits = own.train_model(mixed.inputs[:nl]).float()
+            lx = -(F.log_softmax(logits, 1) * mixed.targets[:nl]).sum(1).mean()
+            loss = lx + uniform_prior_penalty(logits)
         else:
-            lu = ((torch.softmax(logits, 1) - mixed.targets) ** 2).mean()
-        lam = linear_rampup(frac, self.run.optim.pretrain_epochs, cfg.rampup_epochs,
-                            lambda_u=cfg.lambda_u)
-        loss = lx + lam * lu + uniform_prior_penalty(logits)
-        if dummy:
+            logits = own.train_model(mixed.inputs).float()
+            zero = logits.sum() * 0.0
+            lx, lu = zero, zero
+            if nl and nl < logits.shape[0]:
+                lx, lu = semi_loss(logits[:nl], mixed.targets[:nl], logits[nl:],
+                                   mixed.targets[nl:])
+            elif nl:
+                lx = -(F.log_softmax(logits, 1) * mixed.targets).sum(1).mean()
+            else:
+                lu = ((torch.softmax(logits, 1) - mixed.targets) ** 2).mean()
+            lam = linear_rampup(frac, self.run.optim.pretrain_epochs, cfg.rampup_epochs,
+                                lambda_u=cfg.lambda_u)
+            loss = lx + lam * lu + uniform_prior_penalty(logits)
+        if dummy or (cfg.lambda_u == 0 and not nl):  # nothing to learn: every rank steps
             loss = loss * 0.0
         own.optimizer.zero_grad(set_to_none=True)
         loss.backward()
