@@ -253,7 +253,7 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
                         "and run dir again resumes the run from its last checkpoint")
     g.add_argument("--run-dir", type=Path, default=default_run_dir(job),
                    help="absolute run directory: Ray storage <run-dir>/train, MLflow store "
-                        "<run-dir>/mlflow.db, smoke data (default $LCCN_RUNS or ~/lccn_runs/<job>)")
+                        "<run-dir>/mlflow.db, smoke data (default $LCCN_RUNS/<job>, else ~/lccn_runs/<job>)")
     g.add_argument("--num-workers", type=int, default=2, help="Ray Train workers (DDP ranks)")
     g.add_argument("--gpu", action="store_true", help="one GPU per worker (nccl, bf16 autocast)")
     g.add_argument("--cpus-per-worker", type=float, default=1.0)

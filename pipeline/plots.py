@@ -41,9 +41,11 @@ def as_matrix(phi, *, name: str = "phi") -> np.ndarray:
 
 def latent_names(k_latent: int, class_names: Sequence[str] | None, num_classes: int) -> list[str]:
     """Row (latent) names: the class names, plus ``"outlier"`` for LCCN*'s extra row.
-    Without class names, ``"0" .. "K_latent-1"``."""
+    Without class names, the class numbers ``"0" .. "K-1"`` (and ``"outlier"``)."""
     if class_names is None:
-        return [str(i) for i in range(k_latent)]
+        return [str(i) for i in range(num_classes)] + (
+            ["outlier"] if k_latent == num_classes + 1 else
+            [str(i) for i in range(num_classes, k_latent)])
     names = [str(c) for c in class_names]
     if len(names) != num_classes:
         raise ValueError(f"{len(names)} class names for a matrix with {num_classes} columns")

@@ -52,6 +52,20 @@ def test_seed_run_drops_the_mlflow_run_and_keeps_an_existing_seed(tmp_path):
     assert torch.load(found / STATE_FILE, weights_only=False)["mlflow_run_id"] is None
 
 
+def test_each_cloned_checkpoint_starts_its_own_run():
+    """Two clones at the same epoch from different donors (or checkpoints) get two Train
+    runs, never one resumed under the other's name; the same checkpoint (a restored sweep
+    restarting the trial) gets the same run back."""
+    a = pbt.clone_run_name("t_00000", {"run_name": "t_00001", "epoch": 3, "global_step": 60})
+    assert a.startswith("t_00000-e3-") and a.rsplit("-e", 1)[0] == "t_00000"
+    assert a == pbt.clone_run_name("t_00000", {"run_name": "t_00001", "epoch": 3,
+                                               "global_step": 60})
+    assert a != pbt.clone_run_name("t_00000", {"run_name": "t_00002", "epoch": 3,
+                                               "global_step": 60})
+    assert a != pbt.clone_run_name("t_00000", {"run_name": "t_00001-e1-0a1b2c3d",
+                                               "epoch": 3, "global_step": 60})
+
+
 @pytest.mark.ray
 def test_pbt_sweep_exploits_and_resumes_from_the_other_trials_checkpoint(tmp_path):
     """Two trials at once (one Train worker each), one with a learning rate too small to

@@ -317,3 +317,11 @@ def test_misuse_is_reported(sqlite_run_dir):
     with pytest.raises(Exception, match="(?i)run.*not found|no run|does not exist"):
         Tracker(tracking_uri=uri, experiment="lccn-misuse", run_name="x",
                 run_id="0" * 32).start({})
+
+
+def test_latent_rows_without_class_names_name_the_outlier_row():
+    from pipeline.plots import latent_names
+
+    assert latent_names(4, None, 3) == ["0", "1", "2", "outlier"]
+    assert latent_names(3, None, 3) == ["0", "1", "2"]
+    assert latent_names(4, ["a", "b", "c"], 3) == ["a", "b", "c", "outlier"]

@@ -196,6 +196,16 @@ def test_ranking_keeps_trials_without_validation_last_and_dedups_resumed_epochs(
     assert csv_text.splitlines()[0].startswith("rank,trial_id,status,epochs_done")
 
 
+def test_a_row_shows_the_config_its_selected_epoch_ran_under():
+    """After a PBT exploit a trial's history holds epochs reported under another config
+    (Tune's ``config/<key>`` columns); the row's config is the selected epoch's."""
+    t = {"trial_id": "p", "config": {"lccn.alpha": 2.0}, "status": "finished",
+         "history": [{TIME_ATTR: 1, METRIC: 0.7, REPORTED_BESIDE: 0.6, "config/lccn.alpha": 0.5},
+                     {TIME_ATTR: 2, METRIC: 0.6, REPORTED_BESIDE: 0.5, "config/lccn.alpha": 2.0}]}
+    row = results.rank_trials([t])[0]
+    assert (row["selected_epoch"], row["lccn.alpha"]) == (1, 0.5)
+
+
 def test_epoch_report_forwards_epoch_ends_only():
     from tune.reporting import epoch_result
 
@@ -217,6 +227,27 @@ def test_sweep_refuses_bad_input(tmp_path):
     space.write_text(json.dumps({"lccn.alpah": 1.0}))
     with pytest.raises(SystemExit, match="alpah"):
         sweep.main(["--smoke-test", "--sweep-dir", str(tmp_path), "--space", str(space)])
+    # every value a trial may draw is checked, not a few samples of them
+    for bad, match in (({"lccn.warmup": {"choice": ["anchor", "identity", "eq8", "eq9"]}},
+                        "eq9"),
+                       ({"lccn.warmup_steps": {"randint": [-3, 50]}}, "warmup_steps"),
+                       ({"lccn.alpha": {"uniform": [0.0, 2.0]}}, "alpha")):
+        space.write_text(json.dumps(bad))
+        with pytest.raises(SystemExit, match=match):
+            sweep.main(["--smoke-test", "--sweep-dir", str(tmp_path), "--space", str(space)])
+
+
+def test_a_grid_is_swept_once_and_keys_a_method_ignores_are_left_out():
+    from tune import sweep
+
+    grid = {"lccn.alpha": {"grid": [0.1, 1.0]}, "optim.lr": 0.05}
+    assert sweep.default_num_samples(grid, smoke=False) == 1
+    assert sweep.default_num_samples({**grid, "lccn.warmup_steps": {"randint": [0, 9]}},
+                                     smoke=False) == 8
+    space = get_space("webvision")
+    assert sweep.inert_keys(space, "divide_lccn") == ["lccn.targets", "lccn.ramp_epochs"]
+    assert sweep.inert_keys(space, "lccn") == []
+    assert sweep.inert_keys(space, "dividemix") == [k for k in space if k.startswith("lccn.")]
 
 
 @pytest.mark.parametrize("job", ["quickstart", "cifar", "clothing1m", "webvision"])

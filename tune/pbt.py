@@ -14,8 +14,8 @@ callback in the Train controller (:class:`CheckpointQueue`) hands each epoch's r
 checkpoint path over through a Ray queue.
 
 A trial that starts with a Tune checkpoint (an exploit, or its own after a restored sweep)
-starts a new Train run ``<trial_id>-e<epoch>`` seeded with that checkpoint: the file is
-written into the new run's storage, where the job finds it as its newest complete
+starts a new Train run ``<trial_id>-e<epoch>-<tag>`` (:func:`clone_run_name`) seeded with
+that checkpoint: the file is written into the new run's storage, where the job finds it as its newest complete
 checkpoint, so the model, the optimiser and the actor's C and z (put back by the fenced
 ``open``) continue from the cloned trial's moment, under the trial's mutated config. The
 seeded state forgets the MLflow run of the trial it came from (the new run logs to a child
@@ -28,6 +28,7 @@ Tune keeps every PBT checkpoint of a trial (a cloned one must outlive the clone'
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import tempfile
@@ -131,6 +132,15 @@ class CheckpointQueue(UserCallback):
         self.queue.put((result, None if checkpoint is None else checkpoint.path))
 
 
+def clone_run_name(trial_id: str, meta: dict[str, Any]) -> str:
+    """The Train run a trial starts from a Tune checkpoint: ``<trial>-e<epoch>-<tag>``, the
+    tag a hash of the checkpoint's run and global step. Two clones at the same epoch from
+    different donors (or different checkpoints of one) are two runs; the same checkpoint
+    (a restored sweep restarting the trial) gives the same name, and the run resumes."""
+    tag = hashlib.sha1(f"{meta.get('run_name')}@{int(meta['global_step'])}".encode())
+    return f"{trial_id}-e{int(meta['epoch'])}-{tag.hexdigest()[:8]}"
+
+
 def seed_run(checkpoint_dir: str | Path, run_root: Path) -> dict[str, Any]:
     """Write the state of a Tune checkpoint (a copy of a Train checkpoint) into
     ``run_root`` (a new Train run's storage folder) as ``checkpoint_pbt_seed``, without the
@@ -190,7 +200,7 @@ def run_trial(config: dict[str, Any], **kwargs: Any) -> None:
     if ckpt is not None:
         with ckpt.as_directory() as d:
             meta = json.loads((Path(d) / "meta.json").read_text())
-            run_name = f"{trial_id}-e{int(meta['epoch'])}"
+            run_name = clone_run_name(trial_id, meta)
             seed_run(d, run_dir / "train" / run_name)
         source = str(meta.get("run_name"))
         tags.append(("pbt.restored_from", source))

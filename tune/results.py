@@ -49,14 +49,18 @@ def _sign(metric: str) -> float:
 def selected(history: Sequence[Mapping[str, Any]], metric: str = METRIC
              ) -> dict[str, Any] | None:
     """The epoch a user keeps: the best ``metric`` (``val_top1``: highest, ``val_nll``:
-    lowest; first on ties), with its ``val_top1``, ``test_top1`` and ``val_nll``; None when
-    no epoch has a finite ``metric``."""
+    lowest; first on ties), with its ``val_top1``, ``test_top1`` and ``val_nll`` and the
+    ``config`` it was reported under; None when no epoch has a finite ``metric``."""
     sign = _sign(metric)
     rows = [r for r in epoch_rows(history) if _finite(r.get(metric))]
     if not rows:
         return None
     best = max(rows, key=lambda r: (sign * float(r[metric]), -int(r[TIME_ATTR])))
     out: dict[str, Any] = {"epoch": int(best[TIME_ATTR])}
+    # the config that epoch was reported under (Tune's "config/<key>" columns): after a
+    # PBT exploit a trial's early epochs ran under another config than its final one
+    out["config"] = {k[len("config/"):]: v for k, v in best.items()
+                     if isinstance(k, str) and k.startswith("config/") and v == v}
     for key in (METRIC, REPORTED_BESIDE, VAL_NLL):
         out[key] = float(best[key]) if _finite(best.get(key)) else None
     return out
@@ -77,7 +81,10 @@ def rank_trials(trials: Sequence[Mapping[str, Any]], metric: str = METRIC
         last = hist[-1] if hist else {}
         row = {"rank": None, "trial_id": t["trial_id"], "status": t.get("status", ""),
                TIME_ATTR: int(last[TIME_ATTR]) if hist else 0}
-        row.update(dict(t.get("config") or {}))
+        config = dict(t.get("config") or {})
+        if sel is not None:  # the selected epoch's own config, where its report has it
+            config.update({k: v for k, v in sel["config"].items() if k in config})
+        row.update(config)
         row.update({METRIC: None if sel is None else sel[METRIC],
                     REPORTED_BESIDE: None if sel is None else sel[REPORTED_BESIDE],
                     VAL_NLL: None if sel is None else sel[VAL_NLL],

@@ -166,7 +166,7 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="sweep name (default sweep-<job>-<time>); an existing sweep of this "
                         "name under --sweep-dir is resumed")
     p.add_argument("--sweep-dir", type=Path, default=None,
-                   help="absolute sweep folder (default $LCCN_RUNS or ~/lccn_runs/sweep)")
+                   help="absolute sweep folder (default $LCCN_RUNS/sweep, else ~/lccn_runs/sweep)")
     p.add_argument("--seed", type=int, default=0, help="seed of Tune's random search")
     p.add_argument("--tracking-uri", default=None,
                    help="MLflow URI (default $MLFLOW_TRACKING_URI, else "
@@ -215,11 +215,49 @@ def resolve_space(args: argparse.Namespace) -> dict[str, Any]:
     from pipeline.config import RunConfig
 
     try:  # every key names a config field, every value the configs accept
-        for seed in range(3):
-            apply_point(RunConfig(), sample_point(space, seed=seed))
+        for point in edge_points(space):
+            apply_point(RunConfig(), point)
     except ValueError as e:
         raise SystemExit(f"error: --space {name}: {e}") from None
     return space
+
+
+def edge_points(space: dict[str, Any]) -> list[dict[str, Any]]:
+    """Points that between them hold every value of every grid and choice and both ends of
+    every range (the other keys at a sampled value): what a sweep may run, checked before
+    it starts."""
+    base = sample_point(space, seed=0)
+    points = [base]
+    for key, spec in space.items():
+        if not isinstance(spec, dict):
+            continue
+        kind, values = next(iter(spec.items()))
+        if kind == "randint":
+            values = [int(values[0]), int(values[1]) - 1]  # its upper end is exclusive
+        points += [{**base, key: v} for v in values]
+    return points
+
+
+def default_num_samples(space: dict[str, Any], *, smoke: bool) -> int:
+    """Samples of the space when --num-samples is not given: 8 (3 for --smoke-test) when a
+    key is drawn at random, 1 when every key is a grid or a constant (the grid is the
+    sweep; more samples would only repeat its points with the same job seed)."""
+    if all(not isinstance(spec, dict) or "grid" in spec for spec in space.values()):
+        return 1
+    return 3 if smoke else 8
+
+
+def inert_keys(space: dict[str, Any], method: str) -> list[str]:
+    """Keys of ``space`` that ``method`` never reads: every ``lccn.*`` key for a method
+    without a Gibbs chain; DivideLCCN trains on co-refined targets, so neither the LCCN
+    target nor its ramp reaches it."""
+    from pipeline.methods import get_method
+
+    if not get_method(method).needs_chain:
+        return [k for k in space if k.startswith("lccn.")]
+    if method == "divide_lccn":
+        return [k for k in space if k in ("lccn.targets", "lccn.ramp_epochs")]
+    return []
 
 
 def parent_tracker(tracking_uri: str, experiment: str, name: str, params: dict[str, Any]):
@@ -387,13 +425,16 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
     if probe.val_fraction <= 0:
         raise SystemExit("error: a sweep ranks trials on the noisy validation split: give the "
                          "job --val-fraction > 0 (default 0.05)")
-    from pipeline.methods import get_method
-
-    if not get_method(probe.method).needs_chain:  # lccn and divide_lccn read run.lccn
-        print(f"[sweep] note: --method {probe.method}: the lccn.* keys of the space have no "
-              f"effect", flush=True)
-    num_samples = args.num_samples or (3 if args.smoke_test else 8)
     space = resolve_space(args)
+    inert = inert_keys(space, probe.method)
+    if inert:  # dropped: columns that vary nothing, grids that only repeat trials
+        print(f"[sweep] note: --method {probe.method} does not read {', '.join(inert)}: "
+              f"left out of the space", flush=True)
+        space = {k: v for k, v in space.items() if k not in inert}
+    num_samples = args.num_samples or default_num_samples(space, smoke=args.smoke_test)
+    if num_samples > 1 and default_num_samples(space, smoke=False) == 1:
+        print(f"[sweep] note: every key is a grid or a constant: each of the {num_samples} "
+              f"samples of a grid point is the same run", flush=True)
     if args.scheduler == "pbt":
         from tune import pbt
 
