@@ -63,6 +63,9 @@ def get_args_parser() -> argparse.ArgumentParser:
             a.choices, a.default = METHODS, list(METHODS)
         if a.dest == "out":
             a.default = Path("/tmp/lccn_methods/results")
+    p.add_argument("--outlier-prior", type=float, default=0.0,
+                   help="LCCNConfig.outlier_prior of lccn_star and lccn_plus (the outlier "
+                        "row's warm-up; 0 = off, the library default)")
     return p
 
 
@@ -101,10 +104,12 @@ def _show(method: str, epochs: int):
 def method_config(args: argparse.Namespace, method: str, seed: int, steps: int, view):
     cfg = bench_cifar.run_config(args, "lccn", seed, steps)
     name, lc = method, cfg.lccn
+    prior = {"outlier_prior": args.outlier_prior}
     if method == "lccn_star":
-        name, lc = "lccn", replace(lc, outlier=True)
+        name, lc = "lccn", replace(lc, outlier=True, **prior)
     elif method == "lccn_plus":
-        name, lc = "lccn", replace(lc, use_trusted=True, outlier=view.has_outliers)
+        name, lc = "lccn", replace(lc, use_trusted=True, outlier=view.has_outliers,
+                                   **(prior if view.has_outliers else {}))
     return replace(cfg, method=name, lccn=lc)
 
 

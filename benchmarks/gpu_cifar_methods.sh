@@ -4,7 +4,8 @@
 # two-network methods start first. Runs still going after LIMIT seconds are stopped (their
 # logs say how far they got); the report covers the finished ones.
 #
-#   [METHODS="lccn lccn_star"] bash benchmarks/gpu_cifar_methods.sh DATA_DIR OUT_DIR [SEEDS] [LIMIT]
+#   [METHODS="lccn lccn_star"] [EXTRA="--outlier-prior 0.5"] \
+#       bash benchmarks/gpu_cifar_methods.sh DATA_DIR OUT_DIR [SEEDS] [LIMIT]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 data=${1:?DATA_DIR}; out=${2:?OUT_DIR}; seeds=${3:-0}; limit=${4:-3000}
@@ -22,7 +23,7 @@ done
 printf '%s\n' "${jobs[@]}" | timeout "$limit" xargs -P "$(nproc)" -L 1 bash -c \
   'OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 '"$PY"' benchmarks/bench_cifar_methods.py --device cuda \
      --data '"$data"' --settings "$0" --seeds "$1" --methods "$2" --threads 1 \
-     --train-size 20000 --epochs 24 --pretrain-epochs 8 --milestones 16 21 \
+     --train-size 20000 --epochs 24 --pretrain-epochs 8 --milestones 16 21 '"${EXTRA:-}"' \
      --out '"$out"' > '"$out"'/"$0-seed$1-$2.log" 2>&1 || echo "failed: $0 $1 $2"'
 echo "xargs rc=$?"
 pkill -f bench_cifar_methods.py && echo "stopped the runs still going after ${limit}s"

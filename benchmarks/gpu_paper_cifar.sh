@@ -4,10 +4,12 @@
 # validation split), batch 128, SGD lr 0.5 / 0.1 / 0.01 split at 1/3 and 2/3 of the run, the
 # first third CE pre-training, wd 5e-4, seed 0. The four runs share the GPU (one process each).
 #
-#   bash benchmarks/gpu_paper_cifar.sh DATA_DIR OUT_DIR [EPOCHS]
+#   bash benchmarks/gpu_paper_cifar.sh DATA_DIR OUT_DIR [EPOCHS [bench_cifar.py options...]]
 #
 # DATA_DIR holds cifar10-jpeg.tar.gz. EPOCHS defaults to the paper's 120; a shorter run scales
-# the milestones, the pre-training and the warm-up (20,000 steps at 120 epochs) with it.
+# the milestones, the pre-training and the warm-up (20,000 steps at 120 epochs) with it. Any
+# further options go to every bench_cifar.py run (e.g. --ramp-epochs 6.5, the ramp of the
+# 39-epoch runs recorded in benchmarks/results/gpu.md, before the one-epoch default).
 # Per-epoch lines go to OUT_DIR/<setting>-<method>.log, results to OUT_DIR/*.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +25,7 @@ for s in asym0.5 sym0.5; do
       --settings "$s" --seeds 0 --train-size 50000 --model preact_resnet32 --threads 2 \
       --epochs "$epochs" --pretrain-epochs "$p" --milestones "$p" "$m2" \
       --lr 0.5 --lr-values 0.5 0.1 0.01 --warmup-steps "$warm" --methods "$m" \
-      --tag="-gpu-$m" --out "$out" > "$out/$s-$m.log" 2>&1 &
+      --tag="-gpu-$m" --out "$out" "${@:4}" > "$out/$s-$m.log" 2>&1 &
     pids+=($!)
   done
 done

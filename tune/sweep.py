@@ -138,7 +138,8 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="sweep lccn.alpha over the paper's grid 0.01 ... 1000 (8 values, each "
                         "--num-samples times) instead of log-uniform")
     p.add_argument("--num-samples", type=int, default=None,
-                   help="trials (times the size of any grid; default 8, 3 with --smoke-test)")
+                   help="trials (times the size of any grid; default 8, 3 with --smoke-test, 1 when "
+                        "every key is a grid or a constant)")
     p.add_argument("--scheduler", choices=("asha", "fifo", "pbt"), default="asha",
                    help="asha: stop weak trials early on val_top1; fifo: run every trial out; "
                         "pbt: population-based training, trials in the lower quantile restart "
