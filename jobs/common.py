@@ -511,12 +511,11 @@ def dist_config(args: argparse.Namespace, *, run_name: str, train: str, test: st
     from pipeline.tracking import default_tracking_uri
 
     resolve_recipe(args)
-    if "://" not in train and (test is None or "://" not in test):
-        try:  # the same check as every worker's, before Ray starts
-            check_splits(Manifest.load(train), Manifest.load(test) if test else None,
-                         world_size=args.num_workers, train_where=train, test_where=test)
-        except ValueError as e:
-            raise SystemExit(f"error: {e}") from None
+    try:  # the same check as every worker's, before Ray starts
+        check_splits(split_manifest(train, args), split_manifest(test, args) if test else None,
+                     world_size=args.num_workers, train_where=train, test_where=test)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     run_dir = args.run_dir.expanduser().resolve()
     tracking = None if args.no_tracking else (args.tracking_uri or default_tracking_uri(run_dir))
     return DistConfig(
@@ -579,14 +578,25 @@ def resolve_sources(args: argparse.Namespace) -> tuple[str, str | None]:
     return _source(train), _source(test)
 
 
+def split_manifest(source: str, args: argparse.Namespace) -> Manifest:
+    """The manifest of a split folder or URL (s3://, http(s)://), as the workers read it;
+    one clear line (SystemExit) when it cannot be read."""
+    from pipeline.data import LoaderConfig, load_manifest
+
+    try:
+        return load_manifest(source, cfg=LoaderConfig(
+            s3_endpoint_url=getattr(args, "s3_endpoint_url", None)))
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: {source}: cannot read its manifest ({e})") from None
+
+
 def load_view(args: argparse.Namespace, train: str) -> LabelView:
     """--label-view (checked against a local training split), else the --noise spec applied
     to the training split's labels. With --label-view the trusted-set options only switch
     LCCN+ on: the saved view carries its trusted set (``lccn-labelview --trusted``)."""
     if args.label_view is not None:
         view = LabelView.load(args.label_view)
-        if "://" not in train:
-            check_label_view(view, Manifest.load(train), where=train)
+        check_label_view(view, split_manifest(train, args), where=train)
         if trusted_spec(args) is not None and not view.trusted.any():
             raise SystemExit(f"error: --label-view {args.label_view} has no trusted samples, and "
                              f"the trusted-set options choose them only for a view built from "
@@ -670,8 +680,11 @@ def run_job(args: argparse.Namespace, *, job: str, run: RunConfig, dist: DistCon
     trainer (a sweep trial's report to Tune)."""
     import ray
 
-    from pipeline.ray_train import fit_distributed
+    from pipeline.ray_train import fit_distributed, resume_problem
 
+    problem = resume_problem(run, dist)
+    if problem:
+        raise SystemExit(f"error: {problem}")
     if run.lccn.use_trusted and not view.trusted.any():
         raise SystemExit("error: LCCN+ (a trusted-set option) was asked for, but the label view "
                          "has no trusted samples")

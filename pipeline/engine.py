@@ -336,6 +336,13 @@ def _without(batches: Iterable[Any], held_out: Tensor) -> Iterator[Any]:
         yield b._replace(valid=b.valid & ~held_out[b.idx])
 
 
+def loader_geometry(*, world_size: int, batch_per_rank: int, loader_workers: int,
+                    shuffle_buffer: int) -> dict[str, int]:
+    """The values besides (seed, epoch) that fix the order of a shard epoch's batches."""
+    return {"world_size": int(world_size), "batch_per_rank": int(batch_per_rank),
+            "loader_workers": int(loader_workers), "shuffle_buffer": int(shuffle_buffer)}
+
+
 class ShardSource:
     """The training and test shards of a distributed run, this rank's share of each
     (:mod:`pipeline.data`). ``held_out (N,) bool``: the noisy validation split (never in a
@@ -367,9 +374,9 @@ class ShardSource:
     def geometry(self) -> dict[str, int]:
         """What fixes the order of an epoch's batches besides (seed, epoch): a checkpoint
         taken mid-epoch resumes at its batch only under the same values."""
-        return {"world_size": int(self.world_size), "batch_per_rank": int(self.cfg.batch_size),
-                "loader_workers": int(self.cfg.num_workers),
-                "shuffle_buffer": int(self.cfg.shuffle_buffer)}
+        return loader_geometry(world_size=self.world_size, batch_per_rank=self.cfg.batch_size,
+                               loader_workers=self.cfg.num_workers,
+                               shuffle_buffer=self.cfg.shuffle_buffer)
 
     def train_batches(self, epoch: int, start_batch: int = 0, *, views: int = 1) -> _ShardPass:
         from pipeline.data import make_train_loader
@@ -651,6 +658,22 @@ _REDUCED = ("loss", "label_recovery", "changed", "staleness", "gamma", "step_tim
             "sampler_time", "sync_time", "sampler_share", "images_per_s", "steps")
 
 
+def geometry_mismatch(saved: dict | None, now: dict | None, *, epoch: int,
+                      batch: int) -> str | None:
+    """Why a checkpoint taken at ``batch`` of ``epoch`` under the loader geometry ``saved``
+    (:meth:`ShardSource.geometry`) cannot resume under ``now``, or None: inside an epoch
+    the batch order depends on it (at an epoch boundary any geometry resumes)."""
+    if batch <= 0 or saved is None or now is None or saved == now:
+        return None
+    diff = ", ".join(f"{k} {saved.get(k)} -> {now.get(k)}" for k in sorted(now)
+                     if saved.get(k) != now.get(k))
+    return (f"the checkpoint was taken at batch {batch} of epoch {epoch}, whose batch order "
+            f"depends on the workers ({diff}): resuming there would train some samples twice "
+            f"and skip others; resume with the checkpoint's values (world_size = "
+            f"--num-workers, loader_workers = --loader-workers, batch_per_rank = --batch-size "
+            f"/ --num-workers, --shuffle-buffer) or start a new run")
+
+
 def _epoch_row(stats: dict[str, float], session: Session, *, epoch: int, global_step: int,
                lr: float, phase: bool) -> dict[str, float]:
     """Train stats averaged over the ranks that measured them (NaN: no known clean label in
@@ -817,18 +840,11 @@ class Engine:
             m.optimizer.load_state_dict(os_)
             m.scheduler.load_state_dict(ss)
         self.start_epoch, self.start_batch = int(state["epoch"]), int(state["batch"])
-        saved = state.get("data_geometry")
-        now = self.data.geometry() if hasattr(self.data, "geometry") else None
-        if self.start_batch > 0 and saved is not None and now is not None and saved != now:
-            diff = ", ".join(f"{k} {saved.get(k)} -> {now.get(k)}" for k in sorted(now)
-                             if saved.get(k) != now.get(k))
-            raise ValueError(
-                f"the checkpoint was taken at batch {self.start_batch} of epoch "
-                f"{self.start_epoch}, whose batch order depends on the workers ({diff}): "
-                f"resuming there would train some samples twice and skip others; resume "
-                f"with the checkpoint's values (world_size = --num-workers, loader_workers = "
-                f"--loader-workers, batch_per_rank = --batch-size / --num-workers, "
-                f"--shuffle-buffer) or start a new run")
+        problem = geometry_mismatch(state.get("data_geometry"),
+                                    self.data.geometry() if hasattr(self.data, "geometry")
+                                    else None, epoch=self.start_epoch, batch=self.start_batch)
+        if problem:
+            raise ValueError(problem)
         self.global_step = int(state["global_step"])
         self.run_id = state["mlflow_run_id"]
         self.history = list(state["history"])
@@ -1007,7 +1023,8 @@ class Engine:
             meta = {"epoch": epoch, "batch": batch, "global_step": self.global_step,
                     "lccn_step": int(method_state.get("lccn_step", 0)),
                     "mlflow_run_id": self.run_id, "run_name": self.options.run_name,
-                    "store_version": None if chain_state is None else int(chain_state["version"])}
+                    "store_version": None if chain_state is None else int(chain_state["version"]),
+                    "data_geometry": state["data_geometry"]}
             (Path(tmp) / META_FILE).write_text(json.dumps(meta, indent=1))
             if final:
                 self._final_files(tmp)

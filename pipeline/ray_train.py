@@ -312,6 +312,32 @@ def _step_of(checkpoint_dir: Path) -> int | None:
         return None
 
 
+def resume_problem(run: RunConfig, dist: Any) -> str | None:
+    """Before a (re-)submitted run starts: why its newest checkpoint on disk cannot be
+    resumed under this run's loader geometry (a checkpoint inside an epoch, other workers:
+    :func:`pipeline.engine.geometry_mismatch`), or None. Reads ``meta.json`` only; the
+    workers check the checkpoint they load again."""
+    from pipeline.engine import META_FILE, STATE_FILE, geometry_mismatch, loader_geometry
+
+    root = Path(dist.run_dir) / "train" / dist.run_name
+    found = sorted(((_step_of(d), d) for d in root.glob("checkpoint_*")
+                    if _step_of(d) is not None and (d / STATE_FILE).is_file()), reverse=True)
+    for _, d in found:
+        try:
+            meta = json.loads((d / META_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        now = loader_geometry(world_size=dist.num_workers,
+                              batch_per_rank=max(1, run.optim.batch_size // dist.num_workers),
+                              loader_workers=dist.loader_workers,
+                              shuffle_buffer=dist.shuffle_buffer)
+        problem = geometry_mismatch(meta.get("data_geometry"), now,
+                                    epoch=int(meta.get("epoch", 0)),
+                                    batch=int(meta.get("batch", 0)))
+        return None if problem is None else f"{d}: {problem}"
+    return None
+
+
 def newest_complete_checkpoint(root: str | os.PathLike) -> Path | None:
     """The ``checkpoint_*`` folder under ``root`` with the largest global step whose
     ``meta.json`` and ``state.pt`` both load and agree; None if there is none.

@@ -220,14 +220,19 @@ def test_a_mid_epoch_checkpoint_is_not_resumed_under_another_batch_order(digits,
     """The order of an epoch's batches depends on the workers (ranks, loader processes,
     per-rank batch, shuffle buffer): a checkpoint taken mid-epoch refuses a resume under
     other values, naming them, instead of training some samples twice and skipping others."""
+    from pipeline.ray_train import resume_problem
+
     run, dist, view, z0, counted = _local_run(digits, tmp_path, inject="0:45:raise")
     store = StoreActor(torch.from_numpy(view.observed), z0, 10, 10, counted=counted)
-    session = LocalSession(tmp_path / "ckpt")
+    session = LocalSession(tmp_path / "train" / dist.run_name)  # where a Ray run keeps them
     with pytest.raises(RuntimeError, match="injected failure at step 45"):
         run_worker(run, dist, view, LocalStoreClient(store), session)
     other = replace(dist, shuffle_buffer=50, inject_failure="")
     with pytest.raises(ValueError, match="batch 2 of epoch 2, .*shuffle_buffer 100 -> 50"):
         run_worker(run, other, view, LocalStoreClient(store), session)
+    # the job driver reads the same from meta.json before it starts Ray Train
+    assert "shuffle_buffer 100 -> 50" in resume_problem(run, other)
+    assert resume_problem(run, replace(dist, inject_failure="")) is None
     rows = run_worker(run, replace(dist, inject_failure=""), view, LocalStoreClient(store),
                       session)  # the checkpoint's values resume
     assert rows[0]["resumed_batch"] == 2

@@ -52,6 +52,24 @@ def test_seed_run_drops_the_mlflow_run_and_keeps_an_existing_seed(tmp_path):
     assert torch.load(found / STATE_FILE, weights_only=False)["mlflow_run_id"] is None
 
 
+def test_each_epoch_of_a_pbt_trial_carries_the_config_it_ran_under():
+    """A trial started at alpha 1 and cloned at epoch 2 (alpha 5), then again from a
+    lagging donor at epoch 1 (alpha 9): epoch 1 ran at 1, epoch 3 as reported between the
+    clones at 5, epochs 2-4 as re-reported after the second at 9."""
+    from tune.search_spaces import TIME_ATTR
+    from tune.sweep import with_epoch_configs
+
+    records = [{"time": 0, "epoch": 0, "config": {"lccn.alpha": 1.0}},
+               {"time": 10, "epoch": 2, "config": {"lccn.alpha": 5.0}},
+               {"time": 20, "epoch": 1, "config": {"lccn.alpha": 9.0}}]
+    hist = [{TIME_ATTR: 1, "timestamp": 5}, {TIME_ATTR: 2, "timestamp": 25},
+            {TIME_ATTR: 3, "timestamp": 26}, {TIME_ATTR: 4, "timestamp": 27}]
+    got = [r["config/lccn.alpha"] for r in with_epoch_configs(hist, records)]
+    assert got == [1.0, 9.0, 9.0, 9.0]
+    early = [{TIME_ATTR: 3, "timestamp": 15}]  # epoch 3 as reported between the clones
+    assert with_epoch_configs(early, records)[0]["config/lccn.alpha"] == 5.0
+
+
 def test_each_cloned_checkpoint_starts_its_own_run():
     """Two clones at the same epoch from different donors (or checkpoints) get two Train
     runs, never one resumed under the other's name; the same checkpoint (a restored sweep
@@ -91,8 +109,9 @@ def test_pbt_sweep_exploits_and_resumes_from_the_other_trials_checkpoint(tmp_pat
     assert len(trials) == 2 and all(r["status"] == "finished" for r in trials.values())
     records = [json.loads(line) for f in (tmp_path / "trials").glob(f"*/{pbt.LOG_FILE}")
                for line in f.read_text().splitlines()]
-    exploits = [r for r in records
-                if not r["run_name"].startswith(r["restored_from"].split("-e")[0] + "-")]
+    assert sum(r["restored_from"] is None for r in records) == 2  # each trial's fresh start
+    exploits = [r for r in records if r["restored_from"]
+                and not r["run_name"].startswith(r["restored_from"].split("-e")[0] + "-")]
     assert exploits, records
     ex = exploits[0]
     trial = ex["run_name"].rsplit("-e", 1)[0]

@@ -248,6 +248,13 @@ def test_a_grid_is_swept_once_and_keys_a_method_ignores_are_left_out():
     assert sweep.inert_keys(space, "divide_lccn") == ["lccn.targets", "lccn.ramp_epochs"]
     assert sweep.inert_keys(space, "lccn") == []
     assert sweep.inert_keys(space, "dividemix") == [k for k in space if k.startswith("lccn.")]
+    xi = {"lccn.xi": {"loguniform": [1e-12, 1e-3]}, "lccn.alpha": 1.0}
+    assert sweep.inert_keys(xi, "ce") == ["lccn.alpha"]  # CE's loss is clipped at xi
+    assert sweep.inert_keys(xi, "dividemix") == ["lccn.xi", "lccn.alpha"]
+    # a range is drawn in [lo, hi): a field open at hi is not refused for it
+    sweep.resolve_space(sweep.get_args_parser().parse_args(["--space", "quickstart"]))
+    points = sweep.edge_points({"lccn.outlier_threshold": {"uniform": [0.5, 1.0]}})
+    assert max(p["lccn.outlier_threshold"] for p in points) < 1.0
 
 
 @pytest.mark.parametrize("job", ["quickstart", "cifar", "clothing1m", "webvision"])

@@ -209,6 +209,12 @@ def run_trial(config: dict[str, Any], **kwargs: Any) -> None:
                                 "restored_from": source, "epoch": int(meta["epoch"]),
                                 "global_step": int(meta["global_step"]),
                                 "config": config}, default=str) + "\n")
+    else:  # the config a fresh start runs under (exploits log theirs above)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with open(run_dir / LOG_FILE, "a") as f:
+            f.write(json.dumps({"time": time.time(), "run_name": run_name,
+                                "restored_from": None, "epoch": 0, "global_step": 0,
+                                "config": config}, default=str) + "\n")
     mod, args, jr = sweep.trial_run(config, trial_id=trial_id, run_name=run_name,
                                     extra_tags=tags, **kwargs)
     queue = Queue(actor_options={"num_cpus": 0})

@@ -235,6 +235,8 @@ def edge_points(space: dict[str, Any]) -> list[dict[str, Any]]:
         kind, values = next(iter(spec.items()))
         if kind == "randint":
             values = [int(values[0]), int(values[1]) - 1]  # its upper end is exclusive
+        elif kind in ("uniform", "loguniform"):  # drawn in [lo, hi): hi itself never is
+            values = [values[0], math.nextafter(values[1], values[0])]
         points += [{**base, key: v} for v in values]
     return points
 
@@ -250,12 +252,14 @@ def default_num_samples(space: dict[str, Any], *, smoke: bool) -> int:
 
 def inert_keys(space: dict[str, Any], method: str) -> list[str]:
     """Keys of ``space`` that ``method`` never reads: every ``lccn.*`` key for a method
-    without a Gibbs chain; DivideLCCN trains on co-refined targets, so neither the LCCN
-    target nor its ramp reaches it."""
+    without a Gibbs chain, except ``lccn.xi``, the clip of every single-network method's
+    loss (DivideMix's losses are not clipped); DivideLCCN trains on co-refined targets, so
+    neither the LCCN target nor its ramp reaches it."""
     from pipeline.methods import get_method
 
     if not get_method(method).needs_chain:
-        return [k for k in space if k.startswith("lccn.")]
+        return [k for k in space if k.startswith("lccn.")
+                and (k != "lccn.xi" or method == "dividemix")]
     if method == "divide_lccn":
         return [k for k in space if k in ("lccn.targets", "lccn.ramp_epochs")]
     return []
@@ -301,10 +305,33 @@ def progress_rows(trial_dir: Path) -> list[dict[str, Any]]:
     return [by_epoch[k] for k in sorted(by_epoch, key=lambda v: (v != v, v))]
 
 
-def trial_records(grid, *, epochs: int) -> list[dict[str, Any]]:
+def with_epoch_configs(hist: list[dict[str, Any]], records: list[dict[str, Any]]
+                       ) -> list[dict[str, Any]]:
+    """A PBT trial's per-epoch results with the config each epoch ran under as
+    ``config/<key>`` columns (``progress.csv`` has none): the config of the trial's latest
+    start (``pbt.jsonl``: a fresh start at epoch 0, an exploit at the cloned epoch n, which
+    the epochs after n ran under) before the epoch's report, at an epoch before it."""
+    records = sorted(records, key=lambda r: r.get("time", 0))
+    out = []
+    for row in hist:
+        e, t = row.get(TIME_ATTR), row.get("timestamp")
+        if not isinstance(e, (int, float)) or e != e:
+            out.append(row)
+            continue
+        fits = [r for r in records if r["epoch"] < e and (
+            not isinstance(t, (int, float)) or t != t or r.get("time", 0) <= t + 1)]
+        row = dict(row)
+        if fits:
+            row.update({f"config/{k}": v for k, v in fits[-1]["config"].items()})
+        out.append(row)
+    return out
+
+
+def trial_records(grid, *, epochs: int, sweep_dir: Path | None = None) -> list[dict[str, Any]]:
     """One dict per trial of the ResultGrid: ``trial_id``, ``config``, ``status``
     (finished / stopped early / error / unfinished: not run to its end, in an interrupted
-    sweep), ``history`` (its per-epoch results), ``error``."""
+    sweep), ``history`` (its per-epoch results, with the config each ran under where a PBT
+    trial's log under ``sweep_dir`` says), ``error``."""
     tune_status = {Path(t.path).name: t.status for t in
                    getattr(getattr(grid, "_experiment_analysis", None), "trials", None) or []
                    if getattr(t, "path", None)}
@@ -319,6 +346,10 @@ def trial_records(grid, *, epochs: int) -> list[dict[str, Any]]:
         logged = progress_rows(Path(res.path))
         if len(logged) > len(hist):  # a trial restored from a checkpoint (PBT)
             hist = logged
+        log = None if sweep_dir is None else sweep_dir / "trials" / trial_id / "pbt.jsonl"
+        if log is not None and log.is_file():
+            hist = with_epoch_configs(hist, [json.loads(line) for line in
+                                             log.read_text().splitlines() if line.strip()])
         done = max((int(r[TIME_ATTR]) for r in hist
                     if isinstance(r.get(TIME_ATTR), (int, float)) and r[TIME_ATTR] == r[TIME_ATTR]),
                    default=0)
@@ -428,18 +459,21 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
                          "job --val-fraction > 0 (default 0.05)")
     space = resolve_space(args)
     inert = inert_keys(space, probe.method)
-    if inert:  # dropped: columns that vary nothing, grids that only repeat trials
+    if inert and args.scheduler == "pbt":  # PBT's mutations name them: kept
+        print(f"[sweep] note: --method {probe.method} does not read {', '.join(inert)}",
+              flush=True)
+    elif inert:  # dropped: columns that vary nothing, grids that only repeat trials
         print(f"[sweep] note: --method {probe.method} does not read {', '.join(inert)}: "
               f"left out of the space", flush=True)
         space = {k: v for k, v in space.items() if k not in inert}
+    if args.scheduler == "pbt":
+        from tune import pbt
+
+        space = pbt.pbt_space(space)  # (adds the mutated keys it lacks: drawn at random)
     num_samples = args.num_samples or default_num_samples(space, smoke=args.smoke_test)
     if num_samples > 1 and default_num_samples(space, smoke=False) == 1:
         print(f"[sweep] note: every key is a grid or a constant: each of the {num_samples} "
               f"samples of a grid point is the same run", flush=True)
-    if args.scheduler == "pbt":
-        from tune import pbt
-
-        space = pbt.pbt_space(space)
     n_trials = expected_trials(space, num_samples)
     name = args.name or f"sweep-{args.job}-{time.strftime('%Y%m%d-%H%M%S')}"
     sweep_dir = (args.sweep_dir or common.default_run_dir("sweep")).expanduser().resolve()
@@ -516,7 +550,7 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
             ray.shutdown()
 
     complete = grid.num_terminated + grid.num_errors >= n_trials
-    rows = rank_trials(trial_records(grid, epochs=probe.epochs), metric)
+    rows = rank_trials(trial_records(grid, epochs=probe.epochs, sweep_dir=sweep_dir), metric)
     best = rows[0] if rows and rows[0]["rank"] is not None else None
     out = {"name": name, "sweep_dir": str(sweep_dir), "metric": metric, "mode": mode,
            "complete": complete, "restored": restored, "expected_trials": n_trials,
