@@ -511,11 +511,6 @@ def dist_config(args: argparse.Namespace, *, run_name: str, train: str, test: st
     from pipeline.tracking import default_tracking_uri
 
     resolve_recipe(args)
-    try:  # the same check as every worker's, before Ray starts
-        check_splits(split_manifest(train, args), split_manifest(test, args) if test else None,
-                     world_size=args.num_workers, train_where=train, test_where=test)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
     run_dir = args.run_dir.expanduser().resolve()
     tracking = None if args.no_tracking else (args.tracking_uri or default_tracking_uri(run_dir))
     return DistConfig(
@@ -576,6 +571,16 @@ def resolve_sources(args: argparse.Namespace) -> tuple[str, str | None]:
         print(f"note: no test split at {test}; training without evaluation", flush=True)
         test = None
     return _source(train), _source(test)
+
+
+def check_sources(args: argparse.Namespace, train: str, test: str | None) -> None:
+    """The splits' manifests (local or remote) as every worker will check them, before Ray
+    starts: the same classes, a shard per worker (one clear line otherwise)."""
+    try:
+        check_splits(split_manifest(train, args), split_manifest(test, args) if test else None,
+                     world_size=args.num_workers, train_where=train, test_where=test)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def split_manifest(source: str, args: argparse.Namespace) -> Manifest:
@@ -913,6 +918,7 @@ def dataset_setup(args: argparse.Namespace, *, job: str, preset: Preset, smoke: 
                    f"{smoke.size[0]}x{smoke.size[1]} images, {smoke.num_classes} classes in {out}; "
                    f"label view {args.noise}")
     train, test = resolve_sources(args)
+    check_sources(args, train, test)
     try:
         view = load_view(args, train)
     except ValueError as e:  # ManifestError (a shard that does not match), a bad --noise spec

@@ -305,7 +305,7 @@ def test_jobs_refuse_a_bad_transition_file_before_ray(tmp_path):
     bad[3, 4] = 0.5
     np.save(tmp_path / "bad.npy", bad)
     base = ["--data", str(tmp_path / "c10"), "--no-tracking", "--run-dir", str(tmp_path / "r"),
-            "--method", "forward"]
+            "--method", "forward", "--num-workers", "1"]  # (one test shard)
     for path, message in [(tmp_path / "missing.npy", "does not exist"),
                           (tmp_path / "bad.npy", "row 3 sums to 1.5")]:
         with pytest.raises(SystemExit) as e:
