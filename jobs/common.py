@@ -253,7 +253,8 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
                         "and run dir again resumes the run from its last checkpoint")
     g.add_argument("--run-dir", type=Path, default=default_run_dir(job),
                    help="absolute run directory: Ray storage <run-dir>/train, MLflow store "
-                        "<run-dir>/mlflow.db, smoke data (default $LCCN_RUNS/<job>, else ~/lccn_runs/<job>)")
+                        "<run-dir>/mlflow.db, smoke data (default $LCCN_RUNS/<job>, else "
+                        "~/lccn_runs/<job>)")
     g.add_argument("--num-workers", type=int, default=2, help="Ray Train workers (DDP ranks)")
     g.add_argument("--gpu", action="store_true", help="one GPU per worker (nccl, bf16 autocast)")
     g.add_argument("--cpus-per-worker", type=float, default=1.0)
@@ -573,14 +574,17 @@ def resolve_sources(args: argparse.Namespace) -> tuple[str, str | None]:
     return _source(train), _source(test)
 
 
-def check_sources(args: argparse.Namespace, train: str, test: str | None) -> None:
+def check_sources(args: argparse.Namespace, train: str, test: str | None) -> Manifest:
     """The splits' manifests (local or remote) as every worker will check them, before Ray
-    starts: the same classes, a shard per worker (one clear line otherwise)."""
+    starts: the same classes, a shard per worker (one clear line otherwise). Returns the
+    training split's."""
+    train_manifest = split_manifest(train, args)
     try:
-        check_splits(split_manifest(train, args), split_manifest(test, args) if test else None,
+        check_splits(train_manifest, split_manifest(test, args) if test else None,
                      world_size=args.num_workers, train_where=train, test_where=test)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
+    return train_manifest
 
 
 def split_manifest(source: str, args: argparse.Namespace) -> Manifest:
@@ -595,13 +599,15 @@ def split_manifest(source: str, args: argparse.Namespace) -> Manifest:
         raise SystemExit(f"error: {source}: cannot read its manifest ({e})") from None
 
 
-def load_view(args: argparse.Namespace, train: str) -> LabelView:
-    """--label-view (checked against a local training split), else the --noise spec applied
-    to the training split's labels. With --label-view the trusted-set options only switch
-    LCCN+ on: the saved view carries its trusted set (``lccn-labelview --trusted``)."""
+def load_view(args: argparse.Namespace, train: str, *,
+              manifest: Manifest | None = None) -> LabelView:
+    """--label-view (checked against the training split's ``manifest``, read when not
+    given), else the --noise spec applied to the training split's labels. With --label-view
+    the trusted-set options only switch LCCN+ on: the saved view carries its trusted set
+    (``lccn-labelview --trusted``)."""
     if args.label_view is not None:
         view = LabelView.load(args.label_view)
-        check_label_view(view, split_manifest(train, args), where=train)
+        check_label_view(view, manifest or split_manifest(train, args), where=train)
         if trusted_spec(args) is not None and not view.trusted.any():
             raise SystemExit(f"error: --label-view {args.label_view} has no trusted samples, and "
                              f"the trusted-set options choose them only for a view built from "
@@ -918,9 +924,9 @@ def dataset_setup(args: argparse.Namespace, *, job: str, preset: Preset, smoke: 
                    f"{smoke.size[0]}x{smoke.size[1]} images, {smoke.num_classes} classes in {out}; "
                    f"label view {args.noise}")
     train, test = resolve_sources(args)
-    check_sources(args, train, test)
+    train_manifest = check_sources(args, train, test)
     try:
-        view = load_view(args, train)
+        view = load_view(args, train, manifest=train_manifest)
     except ValueError as e:  # ManifestError (a shard that does not match), a bad --noise spec
         raise SystemExit(f"error: {e}") from None
     run = run_config(args)

@@ -133,7 +133,8 @@ def prepare_run(args: argparse.Namespace) -> common.JobRun:
         from shards.labelview import read_split_labels
 
         try:
-            view = apply_trusted(view, trusted, keys=list(read_split_labels(train)["key"]))
+            keys = list(read_split_labels(train)["key"]) if "keys" in trusted else None
+            view = apply_trusted(view, trusted, keys=keys)
         except ValueError as e:
             raise SystemExit(f"error: {e}") from None
         log.append(f"[{JOB}] LCCN+: {int(view.trusted.sum())} trusted digits")

@@ -815,8 +815,8 @@ class _RankStream(IterableDataset):
                     num_samples=self.num_samples, state=state),
             partial(_apply_labels, view=view),                # + "observed", "clean"
             partial(_apply_ood, ood=ood, fn=self.ood_transform,  # image pixel-shuffled if ood[idx]
-                    seed=(view.pixel_seed if cfg.ood_seed is None and view is not None
-                          else cfg.ood_seed or 0)),
+                    seed=cfg.ood_seed if cfg.ood_seed is not None or ood is None
+                    else view.pixel_seed),
             partial(_augment, transform=build_sample_transform(cfg.preset, train=self.train),
                     shape=preset.shape, preset=cfg.preset,    # "image" (and "image2"):
                     views=self.views),                        # (C, H, W) uint8

@@ -319,23 +319,24 @@ def resume_problem(run: RunConfig, dist: Any) -> str | None:
     workers check the checkpoint they load again."""
     from pipeline.engine import META_FILE, STATE_FILE, geometry_mismatch, loader_geometry
 
-    root = Path(dist.run_dir) / "train" / dist.run_name
-    found = sorted(((_step_of(d), d) for d in root.glob("checkpoint_*")
-                    if _step_of(d) is not None and (d / STATE_FILE).is_file()), reverse=True)
-    for _, d in found:
+    metas = []
+    for d in (Path(dist.run_dir) / "train" / dist.run_name).glob("checkpoint_*"):
         try:
             meta = json.loads((d / META_FILE).read_text())
-        except (OSError, ValueError):
+            step = int(meta["global_step"])
+        except (OSError, ValueError, KeyError, TypeError):
             continue
-        now = loader_geometry(world_size=dist.num_workers,
-                              batch_per_rank=max(1, run.optim.batch_size // dist.num_workers),
-                              loader_workers=dist.loader_workers,
-                              shuffle_buffer=dist.shuffle_buffer)
-        problem = geometry_mismatch(meta.get("data_geometry"), now,
-                                    epoch=int(meta.get("epoch", 0)),
-                                    batch=int(meta.get("batch", 0)))
-        return None if problem is None else f"{d}: {problem}"
-    return None
+        if (d / STATE_FILE).is_file():
+            metas.append((step, d.name, d, meta))
+    if not metas:
+        return None
+    _, _, d, meta = max(metas)
+    now = loader_geometry(world_size=dist.num_workers,
+                          batch_per_rank=max(1, run.optim.batch_size // dist.num_workers),
+                          loader_workers=dist.loader_workers, shuffle_buffer=dist.shuffle_buffer)
+    problem = geometry_mismatch(meta.get("data_geometry"), now, epoch=int(meta.get("epoch", 0)),
+                                batch=int(meta.get("batch", 0)))
+    return None if problem is None else f"{d}: {problem}"
 
 
 def newest_complete_checkpoint(root: str | os.PathLike) -> Path | None:

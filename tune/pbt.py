@@ -15,12 +15,12 @@ checkpoint path over through a Ray queue.
 
 A trial that starts with a Tune checkpoint (an exploit, or its own after a restored sweep)
 starts a new Train run ``<trial_id>-e<epoch>-<tag>`` (:func:`clone_run_name`) seeded with
-that checkpoint: the file is written into the new run's storage, where the job finds it as its newest complete
-checkpoint, so the model, the optimiser and the actor's C and z (put back by the fenced
-``open``) continue from the cloned trial's moment, under the trial's mutated config. The
-seeded state forgets the MLflow run of the trial it came from (the new run logs to a child
-run of its own, tagged ``pbt.restored_from``); ``<trial run dir>/pbt.jsonl`` records each
-start from a checkpoint.
+that checkpoint: the file is written into the new run's storage, where the job finds it as
+its newest complete checkpoint, so the model, the optimiser and the actor's C and z (put
+back by the fenced ``open``) continue from the cloned trial's moment, under the trial's
+mutated config. The seeded state forgets the MLflow run of the trial it came from (the new
+run logs to a child run of its own, tagged ``pbt.restored_from``); ``<trial run
+dir>/pbt.jsonl`` records each start, fresh or from a checkpoint, with its config.
 
 Tune keeps every PBT checkpoint of a trial (a cloned one must outlive the clone's restart;
 ``CheckpointConfig(num_to_keep=None)``): each is one Train checkpoint in size.
@@ -196,6 +196,7 @@ def run_trial(config: dict[str, Any], **kwargs: Any) -> None:
     trial_id = ray.tune.get_context().get_trial_id()
     run_dir = Path(kwargs["sweep_dir"]) / "trials" / trial_id
     run_name, tags = trial_id, []
+    source, epoch, step = None, 0, 0  # a fresh start
     ckpt = ray.tune.get_checkpoint()
     if ckpt is not None:
         with ckpt.as_directory() as d:
@@ -203,18 +204,15 @@ def run_trial(config: dict[str, Any], **kwargs: Any) -> None:
             run_name = clone_run_name(trial_id, meta)
             seed_run(d, run_dir / "train" / run_name)
         source = str(meta.get("run_name"))
+        epoch, step = int(meta["epoch"]), int(meta["global_step"])
         tags.append(("pbt.restored_from", source))
-        with open(run_dir / LOG_FILE, "a") as f:
-            f.write(json.dumps({"time": time.time(), "run_name": run_name,
-                                "restored_from": source, "epoch": int(meta["epoch"]),
-                                "global_step": int(meta["global_step"]),
-                                "config": config}, default=str) + "\n")
-    else:  # the config a fresh start runs under (exploits log theirs above)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with open(run_dir / LOG_FILE, "a") as f:
-            f.write(json.dumps({"time": time.time(), "run_name": run_name,
-                                "restored_from": None, "epoch": 0, "global_step": 0,
-                                "config": config}, default=str) + "\n")
+    # every start, fresh or cloned, with the config it runs under (the table's per-epoch
+    # configs, tune.sweep.with_epoch_configs)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / LOG_FILE, "a") as f:
+        f.write(json.dumps({"time": time.time(), "run_name": run_name, "restored_from": source,
+                            "epoch": epoch, "global_step": step, "config": config},
+                           default=str) + "\n")
     mod, args, jr = sweep.trial_run(config, trial_id=trial_id, run_name=run_name,
                                     extra_tags=tags, **kwargs)
     queue = Queue(actor_options={"num_cpus": 0})

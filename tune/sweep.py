@@ -138,8 +138,8 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="sweep lccn.alpha over the paper's grid 0.01 ... 1000 (8 values, each "
                         "--num-samples times) instead of log-uniform")
     p.add_argument("--num-samples", type=int, default=None,
-                   help="trials (times the size of any grid; default 8, 3 with --smoke-test, 1 when "
-                        "every key is a grid or a constant)")
+                   help="trials (times the size of any grid; default 8, 3 with "
+                        "--smoke-test, 1 when every key is a grid or a constant)")
     p.add_argument("--scheduler", choices=("asha", "fifo", "pbt"), default="asha",
                    help="asha: stop weak trials early on val_top1; fifo: run every trial out; "
                         "pbt: population-based training, trials in the lower quantile restart "
@@ -332,6 +332,8 @@ def trial_records(grid, *, epochs: int, sweep_dir: Path | None = None) -> list[d
     (finished / stopped early / error / unfinished: not run to its end, in an interrupted
     sweep), ``history`` (its per-epoch results, with the config each ran under where a PBT
     trial's log under ``sweep_dir`` says), ``error``."""
+    from tune.pbt import LOG_FILE as PBT_LOG_FILE
+
     tune_status = {Path(t.path).name: t.status for t in
                    getattr(getattr(grid, "_experiment_analysis", None), "trials", None) or []
                    if getattr(t, "path", None)}
@@ -346,7 +348,7 @@ def trial_records(grid, *, epochs: int, sweep_dir: Path | None = None) -> list[d
         logged = progress_rows(Path(res.path))
         if len(logged) > len(hist):  # a trial restored from a checkpoint (PBT)
             hist = logged
-        log = None if sweep_dir is None else sweep_dir / "trials" / trial_id / "pbt.jsonl"
+        log = None if sweep_dir is None else sweep_dir / "trials" / trial_id / PBT_LOG_FILE
         if log is not None and log.is_file():
             hist = with_epoch_configs(hist, [json.loads(line) for line in
                                              log.read_text().splitlines() if line.strip()])
