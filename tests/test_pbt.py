@@ -130,7 +130,13 @@ def test_pbt_sweep_exploits_and_resumes_from_the_other_trials_checkpoint(tmp_pat
     assert res["global_step"] == epochs * res["history"][0]["global_step"]
     # with the source's config, alpha and the annealing floor perturbed
     assert ex["config"]["optim.lr"] == 0.05
-    assert trials[trial]["lccn.alpha"] == ex["config"]["lccn.alpha"]
+    # the table shows the config its selected epoch ran under: the trial's latest start
+    # (fresh or cloned) at an epoch before it
+    starts = sorted((r for r in records if r["run_name"].rsplit("-e", 1)[0] == trial),
+                    key=lambda r: r["time"])
+    ran_under = [r for r in starts if r["epoch"] < trials[trial]["selected_epoch"]][-1]
+    assert trials[trial]["lccn.alpha"] == ran_under["config"]["lccn.alpha"]
+    assert ex["config"]["lccn.alpha"] in [r["config"]["lccn.alpha"] for r in starts]
     # Tune's own record of the exploit: [our tag, the clone's tag, ..., old, new config]
     policy = (tmp_path / "tune" / "pbt" / f"pbt_policy_{trial}.txt").read_text()
     step = json.loads(policy.splitlines()[0])
