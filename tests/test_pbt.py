@@ -75,7 +75,7 @@ def test_each_cloned_checkpoint_starts_its_own_run():
     runs, never one resumed under the other's name; the same checkpoint (a restored sweep
     restarting the trial) gets the same run back."""
     a = pbt.clone_run_name("t_00000", {"run_name": "t_00001", "epoch": 3, "global_step": 60})
-    assert a.startswith("t_00000-e3-") and a.rsplit("-e", 1)[0] == "t_00000"
+    assert a.startswith("t_00000-e3_") and a.rsplit("-e", 1)[0] == "t_00000"
     assert a == pbt.clone_run_name("t_00000", {"run_name": "t_00001", "epoch": 3,
                                                "global_step": 60})
     assert a != pbt.clone_run_name("t_00000", {"run_name": "t_00002", "epoch": 3,

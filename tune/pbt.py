@@ -14,7 +14,7 @@ callback in the Train controller (:class:`CheckpointQueue`) hands each epoch's r
 checkpoint path over through a Ray queue.
 
 A trial that starts with a Tune checkpoint (an exploit, or its own after a restored sweep)
-starts a new Train run ``<trial_id>-e<epoch>-<tag>`` (:func:`clone_run_name`) seeded with
+starts a new Train run ``<trial_id>-e<epoch>_<tag>`` (:func:`clone_run_name`) seeded with
 that checkpoint: the file is written into the new run's storage, where the job finds it as
 its newest complete checkpoint, so the model, the optimiser and the actor's C and z (put
 back by the fenced ``open``) continue from the cloned trial's moment, under the trial's
@@ -133,12 +133,12 @@ class CheckpointQueue(UserCallback):
 
 
 def clone_run_name(trial_id: str, meta: dict[str, Any]) -> str:
-    """The Train run a trial starts from a Tune checkpoint: ``<trial>-e<epoch>-<tag>``, the
+    """The Train run a trial starts from a Tune checkpoint: ``<trial>-e<epoch>_<tag>``, the
     tag a hash of the checkpoint's run and global step. Two clones at the same epoch from
     different donors (or different checkpoints of one) are two runs; the same checkpoint
     (a restored sweep restarting the trial) gives the same name, and the run resumes."""
     tag = hashlib.sha1(f"{meta.get('run_name')}@{int(meta['global_step'])}".encode())
-    return f"{trial_id}-e{int(meta['epoch'])}-{tag.hexdigest()[:8]}"
+    return f"{trial_id}-e{int(meta['epoch'])}_{tag.hexdigest()[:8]}"  # (no "-e" in the tag)
 
 
 def seed_run(checkpoint_dir: str | Path, run_root: Path) -> dict[str, Any]:
