@@ -38,7 +38,7 @@ def get_args_parser() -> argparse.ArgumentParser:
                               + NOISE["cifar100"] + " (cifar100)",
                               train_split="train", test_split="test")
     p.add_argument("--dataset", choices=("cifar10", "cifar100"), default="cifar10",
-                   help="picks the warm-up (eq8 / identity) and the default noise")
+                   help="picks the warm-up (anchor / identity) and the default noise")
     p.set_defaults(warmup=None, noise=None)
     return p
 
