@@ -265,9 +265,9 @@ def fit_pair(args: argparse.Namespace, cfg_ce: RunConfig, cfg_lccn: RunConfig,
                    "phi_init": lc.phi_init.tolist(), "phi": lc.transition().tolist(),
                    "pretrained_confusion": conf.view(10, 10).tolist(),
                    "collapse_epochs": [int(r["epoch"]) for r in hist if r.get("collapse")]}
-    print("warm-up phi_init:\n" + format_transition(lc.phi_init.numpy()))
+    print("warm-up phi_init:\n" + format_transition(lc.phi_init.numpy(), rows="latent"))
     print("learned phi[k, j] = P(observed=j | latent=k):\n"
-          + format_transition(lc.transition().numpy()))
+          + format_transition(lc.transition().numpy(), rows="latent"))
     return out
 
 

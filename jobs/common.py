@@ -185,6 +185,8 @@ def resolve_recipe(args: argparse.Namespace) -> Preset:
     dataset = getattr(args, "dataset", None) or args.preset_name
     rec = recipe(dataset, args.method)
     given = {name for name in RECIPE_ARGS if getattr(args, name, None) is not None}
+    if not hasattr(args, "recipe_given"):  # the first call sees what the command line set
+        args.recipe_given = tuple(sorted(given))
     for name in RECIPE_ARGS:
         if name not in given:
             value = getattr(rec, name)
@@ -735,7 +737,7 @@ def run_job(args: argparse.Namespace, *, job: str, run: RunConfig, dist: DistCon
     }
     if out["phi"] is not None:
         print("learned transition phi[k, j] = P(observed=j | latent=k):")
-        print(format_transition(out["phi"].numpy()))
+        print(format_transition(out["phi"].numpy(), rows="latent"))
         if view.transition is not None:
             print("true transition:")
             print(format_transition(view.transition))
@@ -801,14 +803,17 @@ def _flagged(outliers_csv: str) -> str:
 def selected_epoch(history: list[dict[str, float]]) -> dict[str, Any] | None:
     """The epoch a practitioner keeps: the highest noisy-validation accuracy ``val_top1``
     (:func:`pipeline.engine.select_epoch`; the last epoch without a validation split), with
-    its clean test accuracy."""
+    its clean test accuracy. ``epoch`` is the history row's 0-based index (as every
+    ``epoch`` in the results JSON and the MLflow steps); ``epoch_number`` counts from 1, as
+    the printed lines do."""
     from pipeline.engine import select_epoch
 
     if not history:
         return None
     i = select_epoch(history)
     row = history[i]
-    return {"epoch": int(row.get("epoch", i)), "val_top1": row.get("val_top1"),
+    e = int(row.get("epoch", i))
+    return {"epoch": e, "epoch_number": e + 1, "val_top1": row.get("val_top1"),
             "test_top1": row.get("test_top1"),
             "by": "val_top1" if any(math.isfinite(r.get("val_top1", math.nan)) for r in history)
             else "last"}
@@ -831,11 +836,33 @@ def summary_line(metrics: dict[str, Any], keys: tuple[str, ...] = SUMMARY_KEYS) 
     return "  ".join(f"{key} {m[key]:.4g}" for key in keys if isinstance(m.get(key), float))
 
 
+def warmup_covers_phase(run: RunConfig, num_train: int, world_size: int) -> str | None:
+    """A warning when δ (``warmup_steps``) lasts at least the whole LCCN phase: Eq. 7 then
+    never reads the counts, so α and the learned transition change nothing (a sweep over α
+    on a short run measures noise). None otherwise, and for methods without a chain. The
+    phase is counted as every rank sees it, from the full training split less the noisy
+    validation split (DivideLCCN's chains take fewer steps, which only makes it worse)."""
+    if run.method not in ("lccn", "divide_lccn") or run.lccn.warmup_steps == 0:
+        return None
+    fit = num_train - round(run.val_fraction * num_train)
+    per_rank = max(1, run.optim.batch_size // world_size)
+    per_epoch = max(1, math.ceil(fit / world_size / per_rank))
+    epochs = run.optim.epochs - run.optim.pretrain_epochs
+    steps = epochs * per_epoch
+    if run.lccn.warmup_steps < steps:
+        return None
+    return (f"--warmup-steps {run.lccn.warmup_steps:,} covers the whole LCCN phase ({epochs} "
+            f"epochs x about {per_epoch:,} steps per worker = {steps:,}): Eq. 7 never reads "
+            f"the counts, so alpha and the learned transition change nothing; give "
+            f"--warmup-steps below {steps:,} (one epoch: {per_epoch:,})")
+
+
 def prepare(args: argparse.Namespace, *, job: str, preset: Preset) -> list[str]:
     """Normalise parsed arguments shared by every job; returns log lines to print."""
     log = []
     args.in_channels = preset.in_channels
     rec = resolve_recipe(args)
+    given = args.recipe_given
     if rec is not preset and rec.name == preset.name and not args.smoke_test:
         log.append(f"[{job}] --method {args.method} runs its own {rec.name} recipe: "
                    f"{rec.epochs} epochs ({rec.pretrain_epochs} warm-up), batch "
@@ -848,7 +875,12 @@ def prepare(args: argparse.Namespace, *, job: str, preset: Preset) -> list[str]:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         args.run_name = f"{job}-{args.method}" + ("-smoke" if args.smoke_test else "") + f"-{stamp}"
     if rec.note and not args.smoke_test:
-        log.append(f"[{job}] preset {rec.name}: {rec.note}")
+        if given:  # the note speaks of the preset's own schedule, which these options change
+            log.append(f"[{job}] preset {rec.name}, with "
+                       f"{' '.join('--' + g.replace('_', '-') for g in given)} from the command "
+                       f"line (the preset itself: {rec.note})")
+        else:
+            log.append(f"[{job}] preset {rec.name}: {rec.note}")
     args.run_dir = args.run_dir.expanduser().resolve()
     return log
 
@@ -931,6 +963,9 @@ def dataset_setup(args: argparse.Namespace, *, job: str, preset: Preset, smoke: 
         raise SystemExit(f"error: {e}") from None
     run = run_config(args)
     check_transition_file(run, view.num_classes)
+    note = warmup_covers_phase(run, train_manifest.num_samples, args.num_workers)
+    if note:
+        log.append(f"[{job}] warning: {note}")
     dist = dist_config(args, run_name=args.run_name, train=train, test=test,
                        class_names=manifest_classes(train), transform=preset.transform)
     return JobRun(run=run, dist=dist, view=view, log=log)

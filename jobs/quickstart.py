@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
                 phi = trainer.transition().numpy()
                 row["lccn"]["transition"] = phi.tolist()
                 print("learned transition phi[k, j] = P(observed=j | latent=k):")
-                print(format_transition(phi))
+                print(format_transition(phi, rows="latent"))
                 print("true transition:")
                 print(format_transition(train.labels.transition))
         results["runs"].append(row)

@@ -485,12 +485,15 @@ def check_splits(train: Manifest, test: Manifest | None, *, world_size: int,
                          f"but the training split {train_where} has {list(train.classes)[:12]} "
                          f"(both must list the same classes in the same order: convert the "
                          f"splits together, or give the class list)")
-    for m, where in ((train, train_where), (test, test_where)):
-        if m is not None and len(m.shards) < world_size:
-            raise ValueError(f"{where} has {len(m.shards)} shards, fewer than the {world_size} "
-                             f"workers: every worker reads whole shards; convert it again with "
-                             f"--shard-size at most {max(1, m.num_samples // world_size)}, or "
-                             f"run fewer workers")
+    short = [(m, where) for m, where in ((train, train_where), (test, test_where))
+             if m is not None and len(m.shards) < world_size]
+    if short:
+        # every split that is short at once: one conversion (one --shard-size) mends them all
+        names = "; ".join(f"{where} has {len(m.shards)} shards" for m, where in short)
+        size = min(max(1, m.num_samples // world_size) for m, _ in short)
+        raise ValueError(f"{names}, fewer than the {world_size} workers: every worker reads "
+                         f"whole shards; convert again with --shard-size at most {size}, or "
+                         f"run fewer workers")
 
 
 def check_label_view(label_view: LabelView | None, manifest: Manifest, *, where: str) -> None:
@@ -1001,7 +1004,8 @@ def _make_loader(source: str | os.PathLike, label_view: LabelView | None, cfg: L
     if 0 < workers < cfg.num_workers:
         warnings.warn(
             f"rank {rank} reads only {sum(len(s) for s in slots)} shards in epoch {epoch}, "
-            f"fewer than num_workers={cfg.num_workers}: using {workers} loader workers",
+            f"fewer than its {cfg.num_workers} data-loading processes (LoaderConfig."
+            f"num_workers, the jobs' --loader-workers): using {workers}",
             RuntimeWarning, stacklevel=3)
 
     urls = [str(source / s.name) for s in manifest.shards] if isinstance(source, Path) \

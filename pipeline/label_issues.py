@@ -459,7 +459,8 @@ class LabelIssueReport:
         s = self.summary()
         lines = ["# Label-issue report", "",
                  f"{s['samples']} training samples ranked by their Eq. 7 posterior averaged "
-                 f"over epochs {', '.join(str(e + 1) for e in self.epochs)}; "
+                 f"over epoch{'s' if len(self.epochs) > 1 else ''} "
+                 f"{', '.join(str(e + 1) for e in self.epochs)}; "
                  f"{s['flagged_mislabelled']} flagged as mislabelled"
                  + ("" if s["flagged_outliers"] is None else
                     f", {s['flagged_outliers']} as out of distribution") + ".", ""]
@@ -519,9 +520,10 @@ def build_report(state: dict, *, clean: np.ndarray | None = None,
     out = rank_outliers(post, rows, num_classes=k) if total.shape[1] == k + 1 else None
     report = LabelIssueReport(mis, out, observed, keys, list(class_names),
                               list(acc.get("epochs", [])))
-    report.notes.append(f"training split: {len(rows)} samples counted in the chain with "
-                        f"{int(count[rows].min()) if len(rows) else 0}-"
-                        f"{int(count[rows].max()) if len(rows) else 0} posteriors each")
+    lo, hi = (int(count[rows].min()), int(count[rows].max())) if len(rows) else (0, 0)
+    report.notes.append(f"training split: {len(rows)} samples counted in the chain, each "
+                        f"with {lo if lo == hi else f'{lo} to {hi}'} averaged "
+                        f"posterior{'' if hi == 1 else 's'}")
     if clean is None:
         report.notes.append("no clean labels given: precision and recall not computed")
         return report

@@ -871,17 +871,20 @@ def summary(view: LabelView) -> dict[str, Any]:
     return out
 
 
-def format_transition(t: np.ndarray, *, digits: int = 2, max_classes: int = 20) -> str:
-    """A text table of ``t[k, j]`` (rows = clean k, columns = observed j), or, for more than
+def format_transition(t: np.ndarray, *, digits: int = 2, max_classes: int = 20,
+                      rows: str = "clean") -> str:
+    """A text table of ``t[k, j]`` (rows = ``rows`` class k: ``"clean"`` for a noise
+    process, ``"latent"`` for a learned phi; columns = observed j), or, for more than
     ``max_classes`` columns, the diagonal range and the largest off-diagonal entries."""
     k = t.shape[1]
     if k <= max_classes:
         width = digits + 3
-        head = "clean\\obs " + " ".join(f"{j:>{width}d}" for j in range(k))
+        corner = rows + "\\obs"
+        head = f"{corner:>10} " + " ".join(f"{j:>{width}d}" for j in range(k))
         lines = [head]
         for r in range(t.shape[0]):
             name = "out" if r == k else str(r)
-            lines.append(f"{name:>9} " + " ".join(f"{x:{width}.{digits}f}" for x in t[r]))
+            lines.append(f"{name:>10} " + " ".join(f"{x:{width}.{digits}f}" for x in t[r]))
         return "\n".join(lines)
     d = np.diag(t[:k])
     off = t.copy()

@@ -194,7 +194,7 @@ def stop_on_non_finite(model: nn.Module, *, rank: int) -> None:
     model.register_forward_hook(check)
 
 
-PROGRESS_KEYS = ("loss", "test_top1", "label_recovery", "transition_error")
+PROGRESS_KEYS = ("loss", "val_top1", "test_top1", "label_recovery", "transition_error")
 
 
 def progress_line(row: dict[str, float], *, run_name: str, epochs: int,

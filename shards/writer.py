@@ -621,7 +621,7 @@ def write_split(
 
     skipped: list[tuple[int, str, str]] = []
     bar = tqdm(total=total, disable=not opts.progress, unit="img", desc=f"{split}",
-               dynamic_ncols=True, leave=False)
+               dynamic_ncols=True, leave=True)
     try:
         if opts.skip_bad:
             all_recs = list(stream)

@@ -308,7 +308,7 @@ def test_manifest_mismatch_raises_before_any_batch(split20, cifar_images):
 def test_too_few_shards_reduce_workers_then_raise(tmp_path, cifar_images):
     write_split(tmp_path / "train", [10, 10, 10], cifar_images)
     view = shifted_view(30, cifar_images)
-    with pytest.warns(RuntimeWarning, match="using 1 loader workers"):
+    with pytest.warns(RuntimeWarning, match="data-loading processes .*--loader-workers.: using 1"):
         per_rank, loaders = run_ranks(tmp_path / "train", view, CFG, world=2)
     assert {ld.num_workers for ld in loaders} == {1, 2}
     assert np.array_equal(np.sort(np.concatenate([valid_idx(b) for b in per_rank])), np.arange(30))
@@ -628,6 +628,11 @@ def test_splits_must_share_classes_and_have_a_shard_per_rank():
     with pytest.raises(ValueError, match="te has 3 shards, fewer than the 4 workers.*"
                                          "--shard-size at most 7"):
         check_splits(man("abc", 8), man("abc", 3), world_size=4, train_where="tr",
+                     test_where="te")
+    # both short: one error names both and the one --shard-size that mends both
+    with pytest.raises(ValueError, match="tr has 2 shards; te has 3 shards, fewer than the 4 "
+                                         "workers.*--shard-size at most 5"):
+        check_splits(man("abc", 2), man("abc", 3), world_size=4, train_where="tr",
                      test_where="te")
 
 

@@ -605,7 +605,8 @@ def test_noisy_validation_reported_every_epoch_by_two_workers(chaos_run):
         assert row["val_held_out"] == n_val or (partial and row["val_held_out"] < n_val), row
     assert 0 < s["metrics"]["val_top1"] <= 1  # rank 0's last Ray Train report
     best = max(range(EPOCHS), key=lambda e: (hist[e]["val_top1"], -e))
-    assert s["selected"] == {"epoch": best, "val_top1": hist[best]["val_top1"],
+    assert s["selected"] == {"epoch": best, "epoch_number": best + 1,
+                             "val_top1": hist[best]["val_top1"],
                              "test_top1": hist[best]["test_top1"], "by": "val_top1"}
     saved = json.loads((chaos_run["run_dir"] / "results" / "chaos.json").read_text())
     assert saved["selected"]["epoch"] == best

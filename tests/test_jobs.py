@@ -150,6 +150,36 @@ def test_schedule_options_replace_the_recipes_piecewise_rates(argv, lr, mileston
     assert args.lr_values == pytest.approx(values)
 
 
+def test_a_warm_up_that_outlasts_the_lccn_phase_is_warned_about():
+    """δ at least the LCCN phase's steps per worker: Eq. 7 never reads the counts, and an α
+    sweep would compare identical chains. 1,000 images, 5% validation, 2 workers, global
+    batch 64 (32 per worker): 950 / 2 / 32 -> 15 steps an epoch, 1 LCCN epoch of 2."""
+    argv = ["--data", "/x", "--epochs", "2", "--pretrain-epochs", "1", "--milestones", "1",
+            "--lr-values", "0.1", "0.01", "--batch-size", "64"]
+    _, run = _configs(cifar_lccn, argv)  # the preset's δ: 20,000 steps
+    note = common.warmup_covers_phase(run, 1000, 2)
+    assert note is not None and "20,000 covers the whole LCCN phase (1 epochs x about 15 " \
+                                "steps per worker = 15)" in note and "one epoch: 15" in note
+    _, run = _configs(cifar_lccn, argv + ["--warmup-steps", "14"])
+    assert common.warmup_covers_phase(run, 1000, 2) is None
+    _, run = _configs(cifar_lccn, argv + ["--warmup-steps", "15"])
+    assert common.warmup_covers_phase(run, 1000, 2) is not None
+    _, run = _configs(cifar_lccn, argv + ["--method", "ce"])  # no chain, nothing to say
+    assert common.warmup_covers_phase(run, 1000, 2) is None
+
+
+def test_the_preset_note_says_when_the_command_line_changed_the_schedule():
+    args = cifar_lccn.get_args_parser().parse_args(["--data", "/x"])
+    assert "preset cifar10: the first 40 epochs (lr 0.5) are the CE pre-training" in \
+        "\n".join(common.prepare(args, job="j", preset=common.PRESETS["cifar10"]))
+    args = cifar_lccn.get_args_parser().parse_args(["--data", "/x", "--epochs", "2",
+                                                    "--pretrain-epochs", "1"])
+    common.resolve_recipe(args)  # as cifar_lccn.prepare_run does first: it fills the rest
+    log = "\n".join(common.prepare(args, job="j", preset=common.PRESETS["cifar10"]))
+    assert "preset cifar10, with --epochs --pretrain-epochs from the command line (the " \
+           "preset itself: the first 40 epochs" in log
+
+
 def test_lr_values_that_do_not_fit_the_milestones_are_refused_before_ray():
     with pytest.raises(SystemExit, match="needs one rate per phase, len.--milestones. . 1 = 3"):
         _configs(cifar_lccn, ["--data", "/x", "--lr-values", "0.1", "0.01"])
@@ -285,10 +315,11 @@ def test_quickstart_closes_with_lccn_beside_ce_and_the_mlflow_command():
 def test_progress_line_per_epoch():
     from pipeline.ray_train import progress_line
 
-    row = {"epoch": 9.0, "loss": 0.25, "test_top1": 0.9, "label_recovery": 0.95,
-           "transition_error": float("nan"), "epoch_time": 4.04}
+    row = {"epoch": 9.0, "loss": 0.25, "val_top1": 0.7, "test_top1": 0.9,
+           "label_recovery": 0.95, "transition_error": float("nan"), "epoch_time": 4.04}
     line = progress_line(row, run_name="r", epochs=30, pretrain_epochs=8, method="lccn")
-    assert line == "[r] epoch 10/30 lccn loss 0.250  test_top1 0.900  label_recovery 0.950  4.0 s"
+    assert line == ("[r] epoch 10/30 lccn loss 0.250  val_top1 0.700  test_top1 0.900  "
+                    "label_recovery 0.950  4.0 s")
     row.update(data_skipped_shards=1.0, data_padded=12.0, data_missing=12.0,
                data_skipped_samples=0.0)
     assert progress_line(row, run_name="r", epochs=30, pretrain_epochs=8, method="lccn") \

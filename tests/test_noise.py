@@ -671,3 +671,16 @@ def test_read_split_labels_coarse_and_cifar100_cli(tmp_path):
     assert labelview.main(["--split-dir", str(split), "--spec", spec, "--out", str(out)]) == 0
     v = LabelView.load(out)
     np.testing.assert_array_equal(nz.CIFAR100_COARSE[v.observed], nz.CIFAR100_COARSE[fine])
+
+
+def test_transition_tables_name_their_rows():
+    """A noise process is read clean -> observed, a learned phi latent -> observed; the
+    columns line up under either header."""
+    from pipeline.noise import format_transition
+
+    t = np.array([[0.9, 0.1], [0.2, 0.8]])
+    for rows in ("clean", "latent"):
+        lines = format_transition(t, rows=rows).splitlines()
+        assert lines[0].split()[0] == f"{rows}\\obs"
+        assert lines[1].split() == ["0", "0.90", "0.10"]
+        assert len({len(line) for line in lines}) == 1

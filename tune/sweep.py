@@ -564,8 +564,9 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
            "parent_run_id": tracker.run_id if tracker else None, "table": None}
     for r in rows:
         print(f"[sweep] #{r['rank'] or '-'} {r['trial_id']} {r['status']:13s} "
-              f"epochs {r[TIME_ATTR]}  {metric} {r[metric]}  ({REPORTED_BESIDE} "
-              f"{r[REPORTED_BESIDE]})  {json.dumps({k: r.get(k) for k in space})}", flush=True)
+              f"epochs {r[TIME_ATTR]}  {metric} {_fig(r[metric])}  ({REPORTED_BESIDE} "
+              f"{_fig(r[REPORTED_BESIDE])})  {json.dumps({k: r.get(k) for k in space})}",
+              flush=True)
     if not complete:
         print(f"[sweep] {name}: interrupted with {grid.num_terminated + grid.num_errors} of "
               f"{n_trials} trials done; run the same command again (same --name and "
@@ -585,10 +586,16 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
     out["table"] = str(out_dir / "results.md")
     if tracker is not None:
         finish_tracking(tracker, rows, out_dir=out_dir, metric=metric)
-    print(f"[sweep] best by {metric}: {out['best_metric']} ({REPORTED_BESIDE} "
-          f"{out['best_test_top1']}): {out['best_config']}; table {out['table']}", flush=True)
+    print(f"[sweep] best by {metric}: {_fig(out['best_metric'])} ({REPORTED_BESIDE} "
+          f"{_fig(out['best_test_top1'])}): {out['best_config']}; table {out['table']}",
+          flush=True)
     (sweep_dir / f"{name}.json").write_text(json.dumps(out, indent=1, default=str))
     return out
+
+
+def _fig(value: Any) -> str:
+    """A printed figure: four significant digits (the JSON and tables keep every digit)."""
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 if __name__ == "__main__":
