@@ -836,25 +836,30 @@ def summary_line(metrics: dict[str, Any], keys: tuple[str, ...] = SUMMARY_KEYS) 
     return "  ".join(f"{key} {m[key]:.4g}" for key in keys if isinstance(m.get(key), float))
 
 
-def warmup_covers_phase(run: RunConfig, num_train: int, world_size: int) -> str | None:
+def warmup_covers_phase(run: RunConfig, manifest: Manifest, world_size: int) -> str | None:
     """A warning when δ (``warmup_steps``) lasts at least the whole LCCN phase: Eq. 7 then
     never reads the counts, so α and the learned transition change nothing (a sweep over α
-    on a short run measures noise). None otherwise, and for methods without a chain. The
-    phase is counted as every rank sees it, from the full training split less the noisy
-    validation split (DivideLCCN's chains take fewer steps, which only makes it worse)."""
-    if run.method not in ("lccn", "divide_lccn") or run.lccn.warmup_steps == 0:
-        return None
-    fit = num_train - round(run.val_fraction * num_train)
-    per_rank = max(1, run.optim.batch_size // world_size)
-    per_epoch = max(1, math.ceil(fit / world_size / per_rank))
+    on a short run measures noise). None otherwise, for methods without a chain, and without
+    an LCCN phase. The phase's steps are every rank's, from the loader's own plan of each
+    epoch (whole shards per rank; the noisy-validation samples are dropped from the batches,
+    not from the count of steps)."""
+    from pipeline.data import plan_epoch
+
     epochs = run.optim.epochs - run.optim.pretrain_epochs
-    steps = epochs * per_epoch
+    if run.method not in ("lccn", "divide_lccn") or run.lccn.warmup_steps == 0 or epochs <= 0:
+        return None
+    counts = [s.num_samples for s in manifest.shards]
+    per_rank = max(1, run.optim.batch_size // world_size)
+    per_epoch = [plan_epoch(counts, world_size=world_size, num_workers=1, batch_size=per_rank,
+                            seed=run.seed, epoch=e, shuffle=True).steps
+                 for e in range(run.optim.pretrain_epochs, run.optim.epochs)]
+    steps = sum(per_epoch)
     if run.lccn.warmup_steps < steps:
         return None
     return (f"--warmup-steps {run.lccn.warmup_steps:,} covers the whole LCCN phase ({epochs} "
-            f"epochs x about {per_epoch:,} steps per worker = {steps:,}): Eq. 7 never reads "
-            f"the counts, so alpha and the learned transition change nothing; give "
-            f"--warmup-steps below {steps:,} (one epoch: {per_epoch:,})")
+            f"epochs, {steps:,} steps per worker): Eq. 7 never reads the counts, so alpha and "
+            f"the learned transition change nothing; give --warmup-steps below {steps:,} (one "
+            f"epoch: {per_epoch[0]:,})")
 
 
 def prepare(args: argparse.Namespace, *, job: str, preset: Preset) -> list[str]:
@@ -928,6 +933,7 @@ class JobRun:
     dist: DistConfig
     view: LabelView
     log: list[str]
+    manifest: Manifest | None = None  # the training split's, where the job read it
 
 
 def dataset_main(args: argparse.Namespace, *, job: str, preset: Preset, smoke: SmokeData,
@@ -963,9 +969,9 @@ def dataset_setup(args: argparse.Namespace, *, job: str, preset: Preset, smoke: 
         raise SystemExit(f"error: {e}") from None
     run = run_config(args)
     check_transition_file(run, view.num_classes)
-    note = warmup_covers_phase(run, train_manifest.num_samples, args.num_workers)
+    note = warmup_covers_phase(run, train_manifest, args.num_workers)
     if note:
         log.append(f"[{job}] warning: {note}")
     dist = dist_config(args, run_name=args.run_name, train=train, test=test,
                        class_names=manifest_classes(train), transform=preset.transform)
-    return JobRun(run=run, dist=dist, view=view, log=log)
+    return JobRun(run=run, dist=dist, view=view, log=log, manifest=train_manifest)

@@ -152,20 +152,30 @@ def test_schedule_options_replace_the_recipes_piecewise_rates(argv, lr, mileston
 
 def test_a_warm_up_that_outlasts_the_lccn_phase_is_warned_about():
     """δ at least the LCCN phase's steps per worker: Eq. 7 never reads the counts, and an α
-    sweep would compare identical chains. 1,000 images, 5% validation, 2 workers, global
-    batch 64 (32 per worker): 950 / 2 / 32 -> 15 steps an epoch, 1 LCCN epoch of 2."""
-    argv = ["--data", "/x", "--epochs", "2", "--pretrain-epochs", "1", "--milestones", "1",
+    sweep would compare identical chains. The steps are the loader's: 1,000 images in three
+    shards (334, 333, 333), 2 workers, global batch 64 (32 per worker): one rank reads two
+    shards, 667 samples -> 21 steps an epoch (the held-out validation samples leave the
+    batches, not the count), 2 LCCN epochs of 3 -> 42."""
+    from pipeline.manifest import Manifest, ShardInfo
+
+    man = Manifest(dataset="d", split="train", classes=list("abcdefghij"),
+                   shards=[ShardInfo(f"s-{i}.tar", n, "0" * 64, 100)
+                           for i, n in enumerate((334, 333, 333))])
+    argv = ["--data", "/x", "--epochs", "3", "--pretrain-epochs", "1", "--milestones", "1",
             "--lr-values", "0.1", "0.01", "--batch-size", "64"]
     _, run = _configs(cifar_lccn, argv)  # the preset's δ: 20,000 steps
-    note = common.warmup_covers_phase(run, 1000, 2)
-    assert note is not None and "20,000 covers the whole LCCN phase (1 epochs x about 15 " \
-                                "steps per worker = 15)" in note and "one epoch: 15" in note
-    _, run = _configs(cifar_lccn, argv + ["--warmup-steps", "14"])
-    assert common.warmup_covers_phase(run, 1000, 2) is None
-    _, run = _configs(cifar_lccn, argv + ["--warmup-steps", "15"])
-    assert common.warmup_covers_phase(run, 1000, 2) is not None
+    note = common.warmup_covers_phase(run, man, 2)
+    assert note is not None and "20,000 covers the whole LCCN phase (2 epochs, 42 steps per " \
+                                "worker)" in note and "one epoch: 21" in note
+    _, run = _configs(cifar_lccn, argv + ["--warmup-steps", "41"])
+    assert common.warmup_covers_phase(run, man, 2) is None
+    _, run = _configs(cifar_lccn, argv + ["--warmup-steps", "42"])
+    assert common.warmup_covers_phase(run, man, 2) is not None
     _, run = _configs(cifar_lccn, argv + ["--method", "ce"])  # no chain, nothing to say
-    assert common.warmup_covers_phase(run, 1000, 2) is None
+    assert common.warmup_covers_phase(run, man, 2) is None
+    _, run = _configs(cifar_lccn, argv[:5] + ["3"] + argv[6:])  # all CE: no LCCN phase
+    assert run.optim.pretrain_epochs == run.optim.epochs
+    assert common.warmup_covers_phase(run, man, 2) is None
 
 
 def test_the_preset_note_says_when_the_command_line_changed_the_schedule():

@@ -280,6 +280,21 @@ def test_every_job_builds_a_trial_run_from_its_space(job, tmp_path):
     assert jr.run.val_fraction > 0 and len(jr.view) > 0
 
 
+def test_a_trial_is_warned_about_its_own_warm_up(tmp_path):
+    """The warm-up warning speaks of the trial's δ (a swept field), not the job's."""
+    from tune import sweep
+
+    def trial_log(point):
+        _, _, jr = sweep.trial_run(point, job="cifar", job_argv=["--smoke-test"],
+                                   sweep_dir=str(tmp_path), trial_id="w_00001",
+                                   tracking_uri=None, experiment="x", parent_run_id=None)
+        return [line for line in jr.log if "warning: --warmup-steps" in line]
+
+    (line,) = trial_log({"lccn.warmup_steps": 100_000})
+    assert line.startswith("[sweep] trial w_00001: warning: --warmup-steps 100,000 covers")
+    assert trial_log({"lccn.warmup_steps": 1}) == []
+
+
 def test_orphaned_placement_groups_are_released_and_others_kept():
     """A placement group whose creating actor died (a Train controller killed with its
     trial) is removed; one created by the driver (Tune's trials) or by a live actor is not."""
