@@ -200,6 +200,14 @@ def resolve_recipe(args: argparse.Namespace) -> Preset:
                 args.lr_values = list(scaled_lr_values(rec.lr_values, args.lr))
             except ValueError as e:
                 raise SystemExit(f"error: --lr: {e}") from None
+    if args.epochs is not None and args.pretrain_epochs is not None \
+            and not getattr(args, "smoke_test", False) \
+            and not 0 <= args.pretrain_epochs <= args.epochs:
+        whose = {k: "" if k in given else f" (the {rec.name} recipe's)"
+                 for k in ("epochs", "pretrain_epochs")}
+        raise SystemExit(f"error: --epochs {args.epochs}{whose['epochs']} is fewer than "
+                         f"--pretrain-epochs {args.pretrain_epochs}{whose['pretrain_epochs']}, "
+                         f"the cross-entropy epochs it starts with: give both")
     if args.lr_values and len(args.lr_values) != len(args.milestones) + 1:
         raise SystemExit(f"error: --lr-values {' '.join(f'{v:g}' for v in args.lr_values)} "
                          f"needs one rate per phase, len(--milestones) + 1 = "
@@ -494,6 +502,10 @@ def check_transition_file(run: RunConfig, num_classes: int) -> None:
         raise SystemExit(f"error: {e}") from None
 
 
+SMOKE_FIXED = ("model", "pretrained", "epochs", "pretrain_epochs", "batch_size", "milestones",
+               "lr_values", "lr")  # the recipe options --smoke-test sets whatever was given
+
+
 def apply_smoke(args: argparse.Namespace) -> None:
     """--smoke-test: 2 CPU workers, small CNN, 3 epochs (1 CE), tiny batches, no loader
     processes, a mid-epoch checkpoint; every choice here is printed in the job's log."""
@@ -719,6 +731,10 @@ def run_job(args: argparse.Namespace, *, job: str, run: RunConfig, dist: DistCon
         out = fit_distributed(run, dist, view, max_failures=args.max_failures,
                               cpus_per_worker=args.cpus_per_worker, callbacks=callbacks,
                               sample_keys=keys)
+    except (KeyboardInterrupt, SystemExit):  # Ray Train's Ctrl-C handler aborts, then exits
+        print(f"[{job}] interrupted: to resume from the run's last checkpoint, run the same "
+              f"command with --run-name {dist.run_name} --run-dir {dist.run_dir}", flush=True)
+        raise
     finally:
         if started:
             ray.shutdown()
@@ -874,8 +890,11 @@ def prepare(args: argparse.Namespace, *, job: str, preset: Preset) -> list[str]:
                    f"{rec.batch_size}, lr {rec.lr:g} ({rec.source})")
     if args.smoke_test:
         apply_smoke(args)
+        fixed = [g for g in args.recipe_given if g in SMOKE_FIXED]
         log.append(f"[{job}] --smoke-test: 2 CPU workers, small_cnn, 3 epochs (1 CE), global "
-                   f"batch 64, tiny generated shards under {args.run_dir}/smoke-data")
+                   f"batch 64, tiny generated shards under {args.run_dir}/smoke-data"
+                   + (f" (these replace {' '.join('--' + g.replace('_', '-') for g in fixed)} "
+                      f"from the command line)" if fixed else ""))
     if args.run_name is None:  # a new run each time; pass --run-name to resume one
         stamp = time.strftime("%Y%m%d-%H%M%S")
         args.run_name = f"{job}-{args.method}" + ("-smoke" if args.smoke_test else "") + f"-{stamp}"

@@ -111,10 +111,23 @@ def comparison(lccn: dict, ce: dict | None, *, epochs: int) -> list[str]:
                      f"{top['lccn']:.3f} (no CE baseline run)")
     uri = lccn.get("tracking_uri")
     if uri:
-        cmd = (f"mlflow ui --backend-store-uri {uri}" if uri.startswith("sqlite:")
+        cmd = (f"{mlflow_command()} ui --backend-store-uri {uri}" if uri.startswith("sqlite:")
                else f"open {uri}")
         lines.append(f"[{JOB}] look at the runs (experiment {lccn.get('experiment')!r}): {cmd}")
     return lines
+
+
+def mlflow_command() -> str:
+    """The mlflow of this interpreter's environment (``.venv/bin/mlflow`` as a path relative
+    to the working directory where it lies under it), so that the printed command works
+    from a shell that has not activated the environment."""
+    exe = Path(sys.executable).parent / "mlflow"
+    if not exe.exists():
+        return "mlflow"
+    try:
+        return str(exe.relative_to(Path.cwd()))
+    except ValueError:
+        return str(exe)
 
 
 def prepare_run(args: argparse.Namespace) -> common.JobRun:

@@ -510,7 +510,9 @@ def build_report(state: dict, *, clean: np.ndarray | None = None,
     if clean is not None:
         clean = np.asarray(clean, dtype=np.int64)
         if clean.shape != (n,):
-            raise ValueError(f"clean labels must be ({n},), got {clean.shape}")
+            raise ValueError(f"the clean labels given cover {clean.shape[0] if clean.ndim else 0} "
+                             f"samples, the run's training chain {n}: give the training "
+                             f"split (or label view) the run was trained on")
     keys = [str(i) for i in range(n)] if keys is None else [str(s) for s in keys]
     if len(keys) != n:
         raise ValueError(f"{len(keys)} keys for {n} samples")

@@ -24,6 +24,7 @@ import json
 import os
 import tempfile
 import warnings
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -141,6 +142,7 @@ class LabelView:
         try:
             with os.fdopen(fd, "wb") as f:
                 np.savez(f, **arrays)
+            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp's 0600 would hide it from other users
             os.replace(tmp, path)
         except BaseException:
             os.unlink(tmp)
@@ -154,7 +156,8 @@ class LabelView:
             with np.load(path, allow_pickle=False) as z:
                 meta = json.loads(bytes(z["meta"]).decode())
                 arrays = {k: z[k] for k in z.files if k != "meta"}
-        except (OSError, ValueError, KeyError) as e:
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+            # BadZipFile, EOFError: a truncated or foreign file
             raise ValueError(f"{path}: not a readable label view ({e})") from e
         if meta.get("format_version") != FORMAT_VERSION:
             raise ValueError(f"{path}: unsupported label view version {meta.get('format_version')}")
@@ -168,6 +171,12 @@ class LabelView:
                    num_classes=meta["num_classes"], trusted=arrays.get("trusted"),
                    ood=arrays.get("ood"), transition=arrays.get("transition"),
                    spec=meta.get("spec", {}), split_fingerprint=fingerprint)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def holdout_split(observed: np.ndarray, fraction: float, *, seed: int

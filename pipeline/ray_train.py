@@ -125,6 +125,11 @@ class RaySession(TorchCollectives):
                            f"with the failure")
                 print(f"resuming from {found.name} (step {found_step}), {why}",
                       file=sys.__stdout__, flush=True)
+            elif chosen is not None:  # a restart or a rerun of the same run name
+                step = _step_of(Path(chosen))
+                print(f"resuming from {Path(chosen).name}"
+                      + ("" if step is None else f" (step {step})"),
+                      file=sys.__stdout__, flush=True)
         if self._dist():
             box = [chosen]
             torch.distributed.broadcast_object_list(box, src=0)

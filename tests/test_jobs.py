@@ -190,6 +190,20 @@ def test_the_preset_note_says_when_the_command_line_changed_the_schedule():
            "preset itself: the first 40 epochs" in log
 
 
+def test_fewer_epochs_than_the_pre_training_is_one_clear_line():
+    with pytest.raises(SystemExit, match=r"--epochs 5 is fewer than --pretrain-epochs 40 "
+                                         r"\(the cifar10 recipe's\)"):
+        _configs(cifar_lccn, ["--data", "/x", "--epochs", "5"])
+    with pytest.raises(SystemExit, match=r"--epochs 2 is fewer than --pretrain-epochs 5, "):
+        _configs(cifar_lccn, ["--data", "/x", "--epochs", "2", "--pretrain-epochs", "5"])
+    # --smoke-test sets its own schedule, and says which given options it replaced
+    args = cifar_lccn.get_args_parser().parse_args(["--smoke-test", "--epochs", "1",
+                                                    "--run-dir", "/tmp/x"])
+    log = "\n".join(common.prepare(args, job="j", preset=common.PRESETS["cifar10"]))
+    assert (args.epochs, args.pretrain_epochs) == (3, 1)
+    assert "(these replace --epochs from the command line)" in log
+
+
 def test_lr_values_that_do_not_fit_the_milestones_are_refused_before_ray():
     with pytest.raises(SystemExit, match="needs one rate per phase, len.--milestones. . 1 = 3"):
         _configs(cifar_lccn, ["--data", "/x", "--lr-values", "0.1", "0.01"])
@@ -318,7 +332,11 @@ def test_quickstart_closes_with_lccn_beside_ce_and_the_mlflow_command():
             "experiment": "lccn-quickstart_ray"}
     lines = quickstart_ray.comparison(lccn, {"metrics": {"test_top1": 0.871}}, epochs=30)
     assert lines[0].endswith("CE 0.871  LCCN 0.934  (+6.3 points)")
-    assert lines[1].endswith("mlflow ui --backend-store-uri sqlite:////r/mlflow.db")
+    assert lines[1].endswith(f"{quickstart_ray.mlflow_command()} ui --backend-store-uri "
+                             f"sqlite:////r/mlflow.db")
+    # the environment's own mlflow: the printed command works without activating it
+    assert Path(quickstart_ray.mlflow_command()).parent.resolve() == \
+        Path(sys.executable).parent.resolve()
     assert "no CE baseline" in quickstart_ray.comparison(lccn, None, epochs=30)[0]
 
 

@@ -189,6 +189,16 @@ def test_report_files_and_cli_log_into_a_real_mlflow_store(tmp_path, capsys):
 def test_cli_errors_name_the_file(tmp_path):
     with pytest.raises(SystemExit, match="state.pt: no such file"):
         li.main([str(tmp_path)])
+    from pipeline.labels import LabelView
+
+    state, clean, observed = _state(tmp_path, k=3, outlier=True, rng=np.random.default_rng(0))
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    torch.save(state, ckpt / "state.pt")
+    LabelView(observed=observed[:20], clean=clean[:20], num_classes=3).save(tmp_path / "v.npz")
+    with pytest.raises(SystemExit, match="clean labels given cover 20 samples, the run's "
+                                         "training chain 60: give the training split"):
+        li.main([str(ckpt), "--label-view", str(tmp_path / "v.npz")])
     torch.save({"store": None}, tmp_path / "state.pt")
     with pytest.raises(SystemExit, match=f"{tmp_path}: the checkpoint holds no averaged"):
         li.main([str(tmp_path)])

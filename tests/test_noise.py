@@ -449,6 +449,23 @@ def test_seeds_reproduce_and_specs_round_trip(tmp_path, clean10, spec):
     np.testing.assert_array_equal(loaded.transition, v.transition)
 
 
+def test_a_saved_view_is_readable_by_others_and_a_truncated_one_is_named(clean10, tmp_path):
+    """The .npz takes the umask's mode (not mkstemp's 0600: a cluster's other nodes and users
+    read it); a cut file is refused with its path, not a zipfile traceback."""
+    import os
+    import stat
+
+    path = nz.make_view({"kind": "symmetric", "rate": 0.2, "seed": 0}, clean10, 10) \
+        .save(tmp_path / "v.npz")
+    mask = os.umask(0)
+    os.umask(mask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~mask
+    cut = tmp_path / "cut.npz"
+    cut.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(ValueError, match=f"{cut}: not a readable label view"):
+        LabelView.load(cut)
+
+
 def test_make_view_clean_and_dataset(clean10):
     v = nz.make_view({"kind": "clean"}, clean10, 10)
     assert v.noise_rate() == 0 and (v.transition == np.eye(10)).all()
