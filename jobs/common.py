@@ -799,9 +799,10 @@ def label_issue_report(state: dict[str, Any], *, view: LabelView, dist: DistConf
                     f", {rep['flagged_outliers']} suspected out of distribution")
                  + f" in {out}"]
         for ev in rep["evaluation"]:
-            lines.append(f"  {ev['split']} {ev['kind']} ({ev['issues']} of {ev['evaluated']}): "
-                         f"{ev['method']} precision at {ev['issues']} "
-                         f"{ev['r_precision']:.3f}, flagged {ev['flagged']}")
+            lines.append(f"  {ev['split']} {ev['kind']} ({ev['issues']} of the "
+                         f"{ev['evaluated']} with a clean label): {ev['method']} precision "
+                         f"at {ev['issues']} {ev['r_precision']:.3f}, flagged {ev['flagged']} "
+                         f"of those {ev['evaluated']}")
         print("\n".join(lines), flush=True)
     return rep
 
