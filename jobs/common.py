@@ -696,6 +696,37 @@ def connect_ray() -> bool:
     return init_ray()
 
 
+def stop_on_sigterm() -> Any:
+    """SIGTERM (``kill``, ``timeout``, a pod's termination) stops the run as Ctrl-C does:
+    Ray Train's SIGINT handler, registered while the run trains, aborts it gracefully (its
+    checkpoints kept, the resume hint printed). Without this, Ray's own handler in the
+    driver aborts the process with a stack dump. Main thread only (a sweep's trials run in
+    threads, and Tune handles the signals there). Returns the handler it replaced, for
+    :func:`restore_sigterm` (None where it installed none, or where the replaced one was not
+    set from Python, as Ray's in a driver: that one cannot be put back, and this one stays)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def forward(signum: int, frame: Any) -> None:
+        handler = signal.getsignal(signal.SIGINT)
+        if callable(handler):
+            handler(signal.SIGINT, frame)
+        else:
+            raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, forward)
+
+
+def restore_sigterm(previous: Any) -> None:
+    import signal
+
+    if previous is not None:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_job(args: argparse.Namespace, *, job: str, run: RunConfig, dist: DistConfig,
             view: LabelView, log: list[str] | None = None,
             callbacks: list[Any] | None = None) -> dict[str, Any]:
@@ -726,6 +757,7 @@ def run_job(args: argparse.Namespace, *, job: str, run: RunConfig, dist: DistCon
 
         keys = list(read_split_labels(dist.train_source)["key"])
     started = connect_ray()
+    previous_sigterm = stop_on_sigterm()
     t0 = time.perf_counter()
     try:
         out = fit_distributed(run, dist, view, max_failures=args.max_failures,
@@ -736,6 +768,7 @@ def run_job(args: argparse.Namespace, *, job: str, run: RunConfig, dist: DistCon
               f"command with --run-name {dist.run_name} --run-dir {dist.run_dir}", flush=True)
         raise
     finally:
+        restore_sigterm(previous_sigterm)
         if started:
             ray.shutdown()
     seconds = time.perf_counter() - t0

@@ -204,6 +204,28 @@ def test_fewer_epochs_than_the_pre_training_is_one_clear_line():
     assert "(these replace --epochs from the command line)" in log
 
 
+def test_sigterm_takes_the_ctrl_c_path():
+    """After stop_on_sigterm, SIGTERM runs whatever SIGINT handler is installed (Ray Train's
+    graceful abort while a run trains), and without one raises KeyboardInterrupt."""
+    import signal
+
+    old_int, old_term = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    seen = []
+    try:
+        assert common.stop_on_sigterm() == old_term  # what run_job restores afterwards
+        signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)  # the handler runs between bytecodes of the main thread
+        assert seen == [signal.SIGINT]
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)
+    finally:
+        signal.signal(signal.SIGINT, old_int)
+        signal.signal(signal.SIGTERM, old_term)
+
+
 def test_lr_values_that_do_not_fit_the_milestones_are_refused_before_ray():
     with pytest.raises(SystemExit, match="needs one rate per phase, len.--milestones. . 1 = 3"):
         _configs(cifar_lccn, ["--data", "/x", "--lr-values", "0.1", "0.01"])
