@@ -912,6 +912,11 @@ def warmup_covers_phase(run: RunConfig, manifest: Manifest, world_size: int) -> 
             f"epoch: {per_epoch[0]:,})")
 
 
+def _options(names: Any) -> str:
+    """Recipe field names as the command line spells them: ``--pretrain-epochs ...``."""
+    return " ".join("--" + n.replace("_", "-") for n in names)
+
+
 def prepare(args: argparse.Namespace, *, job: str, preset: Preset) -> list[str]:
     """Normalise parsed arguments shared by every job; returns log lines to print."""
     log = []
@@ -924,18 +929,17 @@ def prepare(args: argparse.Namespace, *, job: str, preset: Preset) -> list[str]:
                    f"{rec.batch_size}, lr {rec.lr:g} ({rec.source})")
     if args.smoke_test:
         apply_smoke(args)
-        fixed = [g for g in args.recipe_given if g in SMOKE_FIXED]
+        fixed = [g for g in given if g in SMOKE_FIXED]
         log.append(f"[{job}] --smoke-test: 2 CPU workers, small_cnn, 3 epochs (1 CE), global "
                    f"batch 64, tiny generated shards under {args.run_dir}/smoke-data"
-                   + (f" (these replace {' '.join('--' + g.replace('_', '-') for g in fixed)} "
-                      f"from the command line)" if fixed else ""))
+                   + (f" (these replace {_options(fixed)} from the command line)"
+                      if fixed else ""))
     if args.run_name is None:  # a new run each time; pass --run-name to resume one
         stamp = time.strftime("%Y%m%d-%H%M%S")
         args.run_name = f"{job}-{args.method}" + ("-smoke" if args.smoke_test else "") + f"-{stamp}"
     if rec.note and not args.smoke_test:
         if given:  # the note speaks of the preset's own schedule, which these options change
-            log.append(f"[{job}] preset {rec.name}, with "
-                       f"{' '.join('--' + g.replace('_', '-') for g in given)} from the command "
+            log.append(f"[{job}] preset {rec.name}, with {_options(given)} from the command "
                        f"line (the preset itself: {rec.note})")
         else:
             log.append(f"[{job}] preset {rec.name}: {rec.note}")
