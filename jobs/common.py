@@ -73,6 +73,7 @@ class Preset:
     milestones: tuple[int, ...] = ()
     lr_values: tuple[float, ...] = ()
     lr_decay: float = 0.1
+    ema_decay: float = 0.0
     alpha: float = _LCCN.alpha
     pretrained: bool = False
     in_channels: int = 3
@@ -173,9 +174,9 @@ def recipe(dataset: str, method: str) -> Preset:
 
 # the Preset fields the jobs take from the recipe unless given on the command line
 RECIPE_ARGS = ("model", "pretrained", "epochs", "pretrain_epochs", "batch_size", "lr",
-               "milestones", "lr_values", "lr_decay", "weight_decay", "alpha", "warmup_steps",
-               "warmup", "targets", "ramp_epochs", "anneal", "mixmatch_alpha", "lambda_u",
-               "p_threshold", "temperature", "conf_penalty")
+               "milestones", "lr_values", "lr_decay", "weight_decay", "ema_decay", "alpha",
+               "warmup_steps", "warmup", "targets", "ramp_epochs", "anneal", "mixmatch_alpha",
+               "lambda_u", "p_threshold", "temperature", "conf_penalty")
 
 
 def resolve_recipe(args: argparse.Namespace) -> Preset:
@@ -323,6 +324,9 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
                    help="lr factor at each milestone (given without --lr-values: replaces a "
                         "recipe's per-phase rates)")
     m.add_argument("--weight-decay", type=float, default=None)
+    m.add_argument("--ema-decay", type=float, default=None,
+                   help="evaluate a moving average of the weights with this decay "
+                        "(OptimConfig.ema_decay; 0: the live weights)")
     m.add_argument("--alpha", type=float, default=None, help="Dirichlet alpha")
     m.add_argument("--warmup-steps", type=int, default=None,
                    help="LCCN steps sampling with phi_init (delta)")
@@ -422,7 +426,8 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         model=ModelConfig(args.model, in_channels=args.in_channels),
         optim=OptimConfig(epochs=args.epochs, pretrain_epochs=args.pretrain_epochs,
                           batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
-                          milestones=tuple(args.milestones), lr_decay=args.lr_decay),
+                          milestones=tuple(args.milestones), lr_decay=args.lr_decay,
+                          ema_decay=args.ema_decay),
         lccn=LCCNConfig(alpha=args.alpha, warmup_steps=args.warmup_steps, warmup=args.warmup,
                         targets=args.targets, ramp_epochs=args.ramp_epochs, anneal=anneal,
                         outlier=args.outlier, outlier_prior=getattr(args, "outlier_prior", 0.0),

@@ -37,7 +37,8 @@ What is trained, and how, is the *method* (:mod:`pipeline.methods`), chosen by
     checkpoint, EngineOptions.out_dir and MLflow
 
 A checkpoint (``state.pt``) holds ``models``/``optimizers``/``schedulers`` (one entry per
-member; ``model``/``optimizer``/``scheduler`` name the first), ``epoch``, ``batch``,
+member; ``model``/``optimizer``/``scheduler`` name the first; ``emas``: each member's
+weight average or None), ``epoch``, ``batch``,
 ``global_step``, the method's :meth:`~pipeline.methods.base.Method.state_dict` entries,
 ``store`` (the chain state, ``{"chains": [...]}`` for a :class:`ChainSet`, or None),
 ``mlflow_run_id``, ``history``, ``method_name``, ``k_latent``, ``num_samples`` and ``data``
@@ -46,6 +47,7 @@ member; ``model``/``optimizer``/``scheduler`` name the first), ``epoch``, ``batc
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import math
@@ -200,17 +202,46 @@ def held_out_mask(view: LabelView, fraction: float, *, seed: int) -> np.ndarray 
 # -- members: the networks a method trains ----------------------------------------------------
 
 
+def ema_decay_at(decay: float, step: int) -> float:
+    """The weight average's decay after global step ``step`` (:attr:`OptimConfig.ema_decay`):
+    ``min(decay, (1 + step) / (10 + step))``, so that early steps are not averaged with the
+    random initialisation for ~1/(1 - decay) steps."""
+    return min(decay, (1.0 + step) / (10.0 + step))
+
+
 @dataclass
 class Member:
     """One network a method trains: ``model`` (the bare module: checkpoints, evaluation),
     its ``optimizer`` and epoch ``scheduler``; after :meth:`Engine.prepare`, ``train_model``
-    (DDP-wrapped in a distributed run, bf16 on CUDA) and ``eval_model`` (no collectives)."""
+    (DDP-wrapped in a distributed run, bf16 on CUDA) and ``eval_model`` (no collectives).
+    With :attr:`OptimConfig.ema_decay`, ``ema`` is the moving average of the weights and
+    ``ema_eval`` its wrapped module; :attr:`scorer` is what evaluation uses."""
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: Any
     train_model: nn.Module | None = None
     eval_model: nn.Module | None = None
+    ema: nn.Module | None = None
+    ema_eval: nn.Module | None = None
+
+    @property
+    def scorer(self) -> nn.Module | None:
+        """The module that scores this network (validation, test, the predictions that
+        start a noise model): the weight average when there is one."""
+        return self.ema_eval if self.ema_eval is not None else self.eval_model
+
+    @torch.no_grad()
+    def update_average(self, decay: float) -> None:
+        """``ema <- decay * ema + (1 - decay) * weights`` (one fused call per tensor list);
+        the buffers (batch-norm statistics) are copied."""
+        if self.ema is None:
+            return
+        torch._foreach_lerp_(list(self.ema.parameters()), list(self.model.parameters()),
+                             1.0 - decay)
+        bufs = list(self.ema.buffers())
+        if bufs:
+            torch._foreach_copy_(bufs, list(self.model.buffers()))
 
 
 # -- data ---------------------------------------------------------------------------------------
@@ -756,7 +787,11 @@ class Engine:
         optimizer = torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum,
                                     weight_decay=o.weight_decay,
                                     fused=self.device.type == "cuda" or None)
-        return Member(model, optimizer, make_scheduler(optimizer, run, self.options.lr_values))
+        ema = None
+        if o.ema_decay > 0:
+            ema = copy.deepcopy(model).requires_grad_(False)
+        return Member(model, optimizer, make_scheduler(optimizer, run, self.options.lr_values),
+                      ema=ema)
 
     def reduce_cpu(self, t: Tensor) -> Tensor:
         """All-reduce (sum) a CPU tensor over ranks; returns it on the CPU."""
@@ -769,7 +804,7 @@ class Engine:
         nan = float("nan")
         if batches is None:
             return {"top1": nan, "top5": nan, "nll": nan, "n": 0.0}
-        model = self.members[member].eval_model
+        model = self.members[member].scorer
         it = iter(batches)
         first = next(it, None)
         ev = ({"top1": nan, "top5": nan, "nll": nan, "n": 0.0} if first is None else
@@ -813,6 +848,9 @@ class Engine:
             # no DDP collectives (and no second compiled graph set) in evaluation
             m.eval_model = wrap_model(m.model, replace(perf, compile="off"), self.device,
                                       normalize=norm)
+            if m.ema is not None:
+                m.ema_eval = wrap_model(m.ema, replace(perf, compile="off"), self.device,
+                                        normalize=norm)
         if self.chain is not None:
             self.chain.open(state["store"] if state is not None else None, session)
         if self.options.tracking is not None and session.rank == 0:
@@ -835,10 +873,13 @@ class Engine:
         if len(models) != len(self.members):
             raise ValueError(f"checkpoint has {len(models)} networks; method "
                              f"{self.run.method!r} trains {len(self.members)}")
-        for m, ms, os_, ss in zip(self.members, models, optimizers, schedulers):
+        emas = state.get("emas") or [None] * len(models)
+        for m, ms, os_, ss, es in zip(self.members, models, optimizers, schedulers, emas):
             m.model.load_state_dict(ms)
             m.optimizer.load_state_dict(os_)
             m.scheduler.load_state_dict(ss)
+            if m.ema is not None:  # a checkpoint of a run without the average: its weights
+                m.ema.load_state_dict(es if es is not None else ms)
         self.start_epoch, self.start_batch = int(state["epoch"]), int(state["batch"])
         problem = geometry_mismatch(state.get("data_geometry"),
                                     self.data.geometry() if hasattr(self.data, "geometry")
@@ -915,8 +956,14 @@ class Engine:
         method.begin_epoch(epoch, train_pass.steps_per_epoch)
         done = {"in_epoch": first_batch}
 
+        ema = self.run.optim.ema_decay
+
         def after_step() -> None:
             self.global_step += 1
+            if ema > 0:
+                d = ema_decay_at(ema, self.global_step)
+                for m in self.members:
+                    m.update_average(d)
             done["in_epoch"] += 1
             if (self.options.checkpoint_every and self.global_step % self.options.checkpoint_every == 0
                     and done["in_epoch"] < train_pass.steps_per_epoch):
@@ -1003,6 +1050,7 @@ class Engine:
             "models": [m.model.state_dict() for m in self.members],
             "optimizers": [m.optimizer.state_dict() for m in self.members],
             "schedulers": [m.scheduler.state_dict() for m in self.members],
+            "emas": [m.ema.state_dict() if m.ema is not None else None for m in self.members],
             "epoch": epoch, "batch": batch, "global_step": self.global_step,
             "store": chain_state, "mlflow_run_id": self.run_id, "history": self.history,
             "method_name": self.run.method, "k_latent": self.k_latent,

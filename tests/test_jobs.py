@@ -51,6 +51,17 @@ def test_cifar_preset_is_the_papers():
     assert run100.lccn.warmup == "identity"
 
 
+def test_weight_average_is_off_in_the_recipes_and_an_option_of_every_job():
+    _, run = _configs(cifar_lccn, ["--data", "/x"])
+    assert run.optim.ema_decay == 0.0
+    args, run = _configs(cifar_lccn, ["--data", "/x", "--ema-decay", "0.9999"])
+    assert run.optim.ema_decay == 0.9999 and "ema_decay" in args.recipe_given
+    _, run = _configs(webvision_divide_lccn, ["--data", "/x", "--ema-decay", "0.999"])
+    assert run.optim.ema_decay == 0.999
+    with pytest.raises(ValueError, match="ema_decay must be in"):
+        _configs(cifar_lccn, ["--data", "/x", "--ema-decay", "1"])
+
+
 def test_web_presets_are_the_papers():
     args, run = _configs(clothing1m_lccn, ["--data", "/x"])
     assert run.model.name == "resnet50" and args.pretrained

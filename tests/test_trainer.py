@@ -375,3 +375,89 @@ def test_lccn_plus_refuses_trusted_outliers_without_lccn_star():
     cfg = replace(_short_cfg(use_trusted=True), val_fraction=0.0)
     with pytest.raises(ValueError, match="5 trusted samples are labelled outliers"):
         LocalTrainer(cfg, TensorData(train.images, view), test)
+
+
+class _KeepCheckpoints:
+    """A one-process session that checkpoints: keeps every state the engine writes and
+    hands ``resume`` back as the checkpoint to load."""
+
+    checkpointing = True
+
+    def __init__(self, resume=None):
+        from pipeline.engine import ProcessSession
+        self._inner = ProcessSession("cpu")
+        self.rank, self.world_size, self.device = 0, 1, self._inner.device
+        self.resume, self.states = resume, []
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def load_checkpoint(self):
+        return self.resume
+
+    def report(self, metrics, checkpoint_dir):
+        if checkpoint_dir is not None:
+            self.states.append(torch.load(Path(checkpoint_dir) / "state.pt", weights_only=False))
+
+
+def test_weight_average_follows_its_recurrence_scores_the_run_and_is_checkpointed():
+    """OptimConfig.ema_decay: after global step t the average moves toward the weights by
+    1 - min(decay, (1 + t) / (10 + t)) and takes the live batch-norm statistics; validation
+    and test score the average, not the live weights; the checkpoint carries it and a run
+    resumed from that checkpoint starts from it (from the weights for a checkpoint written
+    without one)."""
+    from pipeline.engine import ema_decay_at
+    from pipeline.loop import evaluate
+
+    xtr, ytr, xte, yte = _digits()
+    view = pair_flip(ytr, 10, CIFAR10_ASYM_MAP, 0.4, seed=0)
+    cfg = replace(_short_cfg(warmup_steps=5),
+                  optim=OptimConfig(epochs=2, pretrain_epochs=1, batch_size=64, lr=0.05,
+                                    ema_decay=0.9))
+    session = _KeepCheckpoints()
+    trainer = LocalTrainer(cfg, TensorData(xtr, view), TensorData(xte, clean_view(yte)),
+                           session=session)
+    member = trainer.engine.members[0]
+    expected = [p.detach().clone() for p in member.ema.parameters()]  # the initial weights
+    assert all(torch.equal(e, p) for e, p in zip(expected, member.model.parameters()))
+    steps = []
+
+    def record(step):
+        steps.append(step)
+        d = ema_decay_at(0.9, step)
+        for e, p in zip(expected, member.model.parameters()):
+            e.mul_(d).add_(p.detach(), alpha=1 - d)
+
+    trainer.engine.options = replace(trainer.engine.options, after_step=record)
+    hist = trainer.fit()
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) == sum(r["steps"] for r in hist)
+    assert ema_decay_at(0.9, 1) == pytest.approx(2 / 11) and ema_decay_at(0.9, 1000) == 0.9
+    for e, a, p in zip(expected, member.ema.parameters(), member.model.parameters()):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6)
+        assert not torch.equal(a, p)
+    for a, b in zip(member.ema.buffers(), member.model.buffers()):
+        assert torch.equal(a, b)
+    # the reported test accuracy is the average's
+    test = trainer.engine.data.test_batches()
+    ev = evaluate(member.ema_eval, test, num_classes=10)
+    assert hist[-1]["test_top1"] == pytest.approx(ev["top1"])
+    assert member.scorer is member.ema_eval
+    # checkpointed at each epoch end; a resumed run starts from the saved average
+    first = session.states[0]
+    assert first["epoch"] == 1 and len(first["emas"]) == 1
+    resumed = LocalTrainer(cfg, TensorData(xtr, view), TensorData(xte, clean_view(yte)),
+                           session=_KeepCheckpoints(resume=first))
+    resumed.engine.prepare()
+    r = resumed.engine.members[0]
+    assert resumed.engine.start_epoch == 1
+    for name, t in r.ema.state_dict().items():
+        assert torch.equal(t, first["emas"][0][name]), name
+    assert not all(torch.equal(a, b) for a, b in zip(r.ema.parameters(), r.model.parameters()))
+    old = {k: v for k, v in first.items() if k != "emas"}
+    legacy = LocalTrainer(cfg, TensorData(xtr, view), TensorData(xte, clean_view(yte)),
+                          session=_KeepCheckpoints(resume=old))
+    legacy.engine.prepare()
+    lm = legacy.engine.members[0]
+    assert all(torch.equal(a, b) for a, b in zip(lm.ema.parameters(), lm.model.parameters()))
+    with pytest.raises(ValueError, match="ema_decay must be in"):
+        OptimConfig(ema_decay=1.0)

@@ -33,7 +33,7 @@ def estimate_transition(method: Method, source: str) -> Tensor:
     k = method.num_classes
     if source == "file":
         return forward_transition("file", k, path=cfg.transition_file)
-    probs, idx, _ = predict(method.members[0].eval_model, eng.data.train_eval_batches(),
+    probs, idx, _ = predict(method.members[0].scorer, eng.data.train_eval_batches(),
                             device=eng.device)
     observed = eng.data.observed[idx]
     return forward_transition(source, k, probs=probs, observed=observed,

@@ -103,7 +103,7 @@ class LCCN(Method):
         rank's samples into the chain; the monitor's reference accuracy."""
         eng, lc = self.engine, self.cfg
         data = eng.data
-        probs, idx, _ = predict(self.members[0].eval_model, data.train_eval_batches(),
+        probs, idx, _ = predict(self.members[0].scorer, data.train_eval_batches(),
                                 device=eng.device)
         observed = data.observed[idx]
         phi_init = estimate_phi_init(lc, probs, observed, eng.k_latent, self.num_classes,
