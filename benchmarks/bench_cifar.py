@@ -50,7 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.cifar_memory import (RandomCropFlip, channel_stats, load_cifar10,  # noqa: E402
                                    normalise)
-from pipeline.config import LCCNConfig, ModelConfig, OptimConfig, RunConfig  # noqa: E402
+from pipeline.config import (COMPILES, LCCNConfig, ModelConfig, OptimConfig,  # noqa: E402
+                             PerfConfig, RunConfig)
 from pipeline.labels import LabelView  # noqa: E402
 from pipeline.noise import (asymmetric_cifar10, clean_view, format_transition,  # noqa: E402
                             instance_dependent, symmetric)
@@ -95,6 +96,30 @@ def get_args_parser() -> argparse.ArgumentParser:
                         "0.1 0.01 at milestones 40 80); empty: --lr x0.1 per milestone")
     p.add_argument("--device", default="cpu", help="cpu or cuda (the GPU runs of the "
                    "paper's schedule)")
+    p.add_argument("--ema-decay", type=float, default=0.0,
+                   help="evaluate a moving average of the weights (OptimConfig.ema_decay; "
+                        "the paper's code: 0.9999); 0: the live weights")
+    p.add_argument("--restart", action="store_true",
+                   help="the paper's code's protocol: LCCN starts from CE's final weights "
+                        "(after all --epochs; fresh momentum) and runs the whole schedule "
+                        "again (--epochs more, the same milestones and rates); "
+                        "--pretrain-epochs is not used")
+    p.add_argument("--restart-control", action="store_true",
+                   help="with --restart: restart CE instead of LCCN (the control: is the gain "
+                        "the second schedule's?); its result is stored as 'ce_restart'")
+    p.add_argument("--compile", choices=COMPILES, default="off",
+                   help="torch.compile mode of the training step (PerfConfig.compile; "
+                        "reduce-overhead for long GPU runs)")
+    p.add_argument("--pretrain-out", type=Path, default=None,
+                   help="with --methods ce: also write the state after the CE pre-training "
+                        "(model, optimiser, generator, epoch rows) to this file, for an LCCN "
+                        "run in another process (--pretrain-from)")
+    p.add_argument("--pretrain-from", type=Path, default=None,
+                   help="with --methods lccn: start LCCN from the state a CE run wrote with "
+                        "--pretrain-out (waits until the file appears) instead of "
+                        "pre-training here")
+    p.add_argument("--pretrain-wait", type=float, default=7200.0,
+                   help="seconds to wait for --pretrain-from before giving up")
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--val-fraction", type=float, default=0.05)
     p.add_argument("--alpha", type=float, default=_LCCN_DEFAULTS.alpha)
@@ -156,7 +181,9 @@ def run_config(args: argparse.Namespace, method: str, seed: int, steps_per_epoch
         val_fraction=args.val_fraction,
         optim=OptimConfig(epochs=args.epochs, pretrain_epochs=args.pretrain_epochs,
                           batch_size=args.batch_size, lr=args.lr, momentum=0.9,
-                          weight_decay=5e-4, milestones=tuple(args.milestones), lr_decay=0.1),
+                          weight_decay=5e-4, milestones=tuple(args.milestones), lr_decay=0.1,
+                          ema_decay=args.ema_decay),
+        perf=PerfConfig(compile=args.compile),
         lccn=LCCNConfig(alpha=args.alpha, warmup_steps=warm, warmup=args.warmup,
                         targets=args.targets, init=args.init,
                         ramp_epochs=args.ramp_epochs))
@@ -214,50 +241,91 @@ def fit_pair(args: argparse.Namespace, cfg_ce: RunConfig, cfg_lccn: RunConfig,
 
     LCCN's pre-training is plain CE on the same labels from the same seed, identical to
     CE's first ``P`` epochs: LCCN starts from a snapshot of CE's model, optimiser (momentum)
-    and generator after epoch ``P``, with the milestones shifted by ``P``."""
+    and generator after epoch ``P``, with the milestones shifted by ``P``.
+
+    ``--restart`` (the paper's code): LCCN starts from CE's final weights and runs the whole
+    schedule again, with fresh momentum (``2 x epochs`` in all)."""
     e_total, p = args.epochs, args.pretrain_epochs
-    if any(m <= p for m in args.milestones) and not args.lr_values:
+    if args.restart:  # CE's whole run is LCCN's pre-training
+        p = e_total
+    elif any(m <= p for m in args.milestones) and not args.lr_values:
         raise ValueError(f"sharing the pre-training needs every milestone > pretrain epochs "
                          f"({p}), got {args.milestones}")
     snap: dict = {}
-    if "ce" not in args.methods:  # only the pre-training of CE is needed
-        cfg_ce = replace(cfg_ce, optim=replace(cfg_ce.optim, epochs=p))
-    ce = LocalTrainer(cfg_ce, train, test, device=args.device)
-    _set_schedule(args, ce, offset=0)
-    show_ce = _show("ce", e_total)
-    t0 = time.perf_counter()
+    out: dict = {}
+    if args.pretrain_from is not None:
+        snap = _wait_for_pretrain(args.pretrain_from, args.pretrain_wait, args.device)
+        if snap["epochs"] != p:
+            raise ValueError(f"{args.pretrain_from} holds {snap['epochs']} pre-training "
+                             f"epochs, this run asks for --pretrain-epochs {p}")
+        hist_ce = snap["history"]
+    else:
+        if "ce" not in args.methods:  # only the pre-training of CE is needed
+            cfg_ce = replace(cfg_ce, optim=replace(cfg_ce.optim, epochs=p))
+        ce = LocalTrainer(cfg_ce, train, test, device=args.device)
+        _set_schedule(args, ce, offset=0)
+        show_ce = _show("ce", e_total)
+        t0 = time.perf_counter()
+        rows: list[dict] = []
 
-    def on_epoch(e: int, r: dict) -> None:
-        show_ce(e, r)
-        if e == p - 1:
-            snap["model"] = copy.deepcopy(ce.model.state_dict())
-            snap["optim"] = copy.deepcopy(ce.optimizer.state_dict())
-            snap["gen"] = ce.gen.get_state()
-            snap["t"] = time.perf_counter() - t0
+        def on_epoch(e: int, r: dict) -> None:
+            show_ce(e, r)
+            rows.append(dict(r))
+            if e == p - 1:
+                snap["model"] = copy.deepcopy(ce.model.state_dict())
+                snap["optim"] = copy.deepcopy(ce.optimizer.state_dict())
+                snap["gen"] = ce.gen.get_state()
+                snap["t"] = time.perf_counter() - t0
+                snap["global_step"] = ce.engine.global_step
+                ema = ce.engine.members[0].ema
+                snap["ema"] = copy.deepcopy(ema.state_dict()) if ema is not None else None
+                if args.pretrain_out is not None:
+                    _save_pretrain(args.pretrain_out, dict(snap, history=rows[:p], epochs=p))
 
-    hist_ce = ce.fit(on_epoch=on_epoch)
-    out = {"ce": {"history": hist_ce, "wall_s": time.perf_counter() - t0,
-                  "config": asdict(cfg_ce)}} if "ce" in args.methods else {}
+        hist_ce = ce.fit(on_epoch=on_epoch)
+        if "ce" in args.methods:
+            out["ce"] = {"history": hist_ce, "wall_s": time.perf_counter() - t0,
+                         "config": asdict(cfg_ce)}
     if "lccn" not in args.methods:
         return out
-    cfg = replace(cfg_lccn, optim=replace(cfg_lccn.optim, epochs=e_total - p, pretrain_epochs=0,
-                                          milestones=tuple(m - p for m in args.milestones)))
+    if args.restart:  # a new run of the whole schedule from CE's final weights
+        cfg = replace(cfg_ce if args.restart_control else cfg_lccn,
+                      optim=replace(cfg_lccn.optim, pretrain_epochs=0))
+    else:
+        cfg = replace(cfg_lccn, optim=replace(cfg_lccn.optim, epochs=e_total - p,
+                                              pretrain_epochs=0,
+                                              milestones=tuple(m - p for m in args.milestones)))
     t1 = time.perf_counter()
     lc = LocalTrainer(cfg, train, test, device=args.device)
-    _set_schedule(args, lc, offset=p)
+    _set_schedule(args, lc, offset=0 if args.restart else p)
     lc.model.load_state_dict(snap["model"])
-    lc.optimizer.load_state_dict(snap["optim"])
+    if not args.restart:  # the same run continued: momentum and the step count go on
+        lc.optimizer.load_state_dict(snap["optim"])
+        lc.engine.global_step = snap["global_step"]
     lc.gen.set_state(snap["gen"])
+    if lc.engine.members[0].ema is not None:
+        # phi_init and z come from CE's weight average (as the paper's code: its init_C
+        # restores the averages; the restarted run's average then follows the new steps)
+        if snap.get("ema") is None:
+            raise ValueError("--ema-decay is set but the pre-training state has no weight "
+                             "average (it was written without --ema-decay)")
+        lc.engine.members[0].ema.load_state_dict(snap["ema"])
     diags: list[dict] = []
-    show_lc = _show("lccn", e_total, offset=p)
+    total = 2 * e_total if args.restart else e_total
+    show_lc = _show("ce2" if args.restart_control else "lccn", total, offset=p)
 
     def on_lccn(e: int, r: dict) -> None:
         show_lc(e, r)
-        diags.append(_chain_diagnostics(lc))
+        if lc.store is not None:
+            diags.append(_chain_diagnostics(lc))
 
     hist = lc.fit(on_epoch=on_lccn)
     for r in hist:
         r["epoch"] += p
+    if args.restart and args.restart_control:
+        out["ce_restart"] = {"history": hist_ce[:p] + hist, "config": asdict(cfg),
+                             "wall_s": snap["t"] + time.perf_counter() - t1}
+        return out
     probs = lc.pretrained_probs
     conf = torch.bincount(lc.train.clean * 10 + probs[:, :10].argmax(1), minlength=100)
     out["lccn"] = {"history": hist_ce[:p] + hist, "wall_s": snap["t"] + time.perf_counter() - t1,
@@ -269,6 +337,29 @@ def fit_pair(args: argparse.Namespace, cfg_ce: RunConfig, cfg_lccn: RunConfig,
     print("learned phi[k, j] = P(observed=j | latent=k):\n"
           + format_transition(lc.transition().numpy(), rows="latent"))
     return out
+
+
+def _save_pretrain(path: Path, snap: dict) -> None:
+    """Write the pre-training state atomically (a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    torch.save(snap, tmp)
+    os.replace(tmp, path)
+    print(f"  wrote the state after {snap['epochs']} pre-training epochs to {path}", flush=True)
+
+
+def _wait_for_pretrain(path: Path, timeout: float, device: str) -> dict:
+    t0 = time.perf_counter()
+    while not path.exists():
+        if time.perf_counter() - t0 > timeout:
+            raise TimeoutError(f"--pretrain-from {path}: no such file after {timeout:.0f}s "
+                               f"(is the CE run with --pretrain-out {path} running?)")
+        time.sleep(2.0)
+    snap = torch.load(path, map_location=device, weights_only=False)
+    snap["gen"] = snap["gen"].cpu()
+    print(f"  loaded the state after {snap['epochs']} CE pre-training epochs from {path} "
+          f"(waited {time.perf_counter() - t0:.0f}s)", flush=True)
+    return snap
 
 
 def summarise(entry: dict) -> dict:
@@ -448,6 +539,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for p in draw_plots(results, args.plots):
                 print(f"wrote {p}")
         return results
+    if args.pretrain_from is not None and args.methods != ["lccn"]:
+        get_args_parser().error("--pretrain-from starts an LCCN run: use it with --methods lccn")
+    if args.pretrain_out is not None and "ce" not in args.methods:
+        get_args_parser().error("--pretrain-out is written by the CE run: add --methods ce")
+    if (args.pretrain_from or args.pretrain_out) and len(args.settings) * len(args.seeds) > 1:
+        get_args_parser().error("--pretrain-out/--pretrain-from hold one run's state: give one "
+                                "setting and one seed")
+    if args.restart_control and not args.restart:
+        get_args_parser().error("--restart-control needs --restart")
+    if args.restart:  # CE's whole run is LCCN's pre-training
+        args.pretrain_epochs = args.epochs
     torch.set_num_threads(args.threads)
     data = load_data(args)
     if args.time_epoch:

@@ -1,0 +1,96 @@
+"""The CIFAR benchmark's protocols on real CIFAR-10 JPEGs at tiny sizes: the pre-training
+handed from a CE process to an LCCN process (the GPU script's four runs) computes exactly
+what one process sharing it computes, and the restart protocol runs LCCN's whole schedule
+again from CE's final weights."""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return runpy.run_path(str(ROOT / "benchmarks" / "bench_cifar.py"), run_name="bench_cifar")
+
+
+def _argv(shared_data, out, cache, *extra):
+    return ["--data", str(shared_data), "--cache", str(cache), "--out", str(out),
+            "--settings", "sym0.5", "--seeds", "0", "--train-size", "200", "--model",
+            "small_cnn", "--epochs", "3", "--pretrain-epochs", "1", "--milestones", "2",
+            "--warmup-steps", "1", *extra]
+
+
+def _tests(entry):
+    return [r["test_top1"] for r in entry["history"]], [r["loss"] for r in entry["history"]]
+
+
+def test_pretraining_handed_between_processes_is_the_shared_one(bench, shared_data, tmp_path,
+                                                                 one_thread):
+    cache, state = tmp_path / "cache", tmp_path / "state" / "sym0.5.pt"
+    one = bench["main"](_argv(shared_data, tmp_path / "one", cache, "--tag=-one"))[0]
+    ce = bench["main"](_argv(shared_data, tmp_path / "two", cache, "--methods", "ce",
+                             "--pretrain-out", str(state), "--tag=-ce"))[0]
+    assert state.is_file() and not state.with_name("sym0.5.pt.partial").exists()
+    lccn = bench["main"](_argv(shared_data, tmp_path / "two", cache, "--methods", "lccn",
+                               "--pretrain-from", str(state), "--tag=-lccn"))[0]
+    assert _tests(ce["methods"]["ce"]) == _tests(one["methods"]["ce"])
+    assert _tests(lccn["methods"]["lccn"]) == _tests(one["methods"]["lccn"])
+    assert lccn["methods"]["lccn"]["phi"] == one["methods"]["lccn"]["phi"]
+    # a state of another pre-training length is refused, naming the file
+    with pytest.raises(ValueError, match=r"sym0\.5\.pt holds 1 pre-training epochs"):
+        bench["main"](_argv(shared_data, tmp_path / "bad", cache, "--methods", "lccn",
+                            "--pretrain-from", str(state), "--pretrain-epochs", "2",
+                            "--milestones", "3"))
+    with pytest.raises(SystemExit):
+        bench["main"](_argv(shared_data, tmp_path / "bad", cache, "--pretrain-from", str(state)))
+
+
+def test_restart_runs_the_whole_schedule_again_from_ces_final_weights(bench, shared_data,
+                                                                      tmp_path, one_thread):
+    cache = tmp_path / "cache"
+    r = bench["main"](_argv(shared_data, tmp_path / "r", cache, "--restart", "--ema-decay",
+                            "0.9"))[0]
+    ce, lc = r["methods"]["ce"]["history"], r["methods"]["lccn"]["history"]
+    assert len(ce) == 3 and len(lc) == 6 and lc[:3] == ce
+    assert [x["epoch"] for x in lc[3:]] == [3, 4, 5] and [x["phase"] for x in lc[3:]] == [1.0] * 3
+    # the same learning rates again: 0.1, 0.1, then x0.1 after epoch 2 of each run
+    assert [x["lr"] for x in lc[3:]] == pytest.approx([x["lr"] for x in ce])
+    control = bench["main"](_argv(shared_data, tmp_path / "c", cache, "--restart",
+                                  "--restart-control", "--ema-decay", "0.9"))[0]
+    assert set(control["methods"]) == {"ce", "ce_restart"}
+    again = control["methods"]["ce_restart"]["history"]
+    assert [(x["test_top1"], x["loss"]) for x in again[:3]] == [(x["test_top1"], x["loss"])
+                                                               for x in ce]  # the same CE
+    assert [x["phase"] for x in again[3:]] == [0.0] * 3
+    assert torch.isfinite(torch.tensor([x["test_top1"] for x in again])).all()
+    with pytest.raises(SystemExit):
+        bench["main"](_argv(shared_data, tmp_path / "c", cache, "--restart-control"))
+
+
+def test_bench_imports_without_the_cluster_packages():
+    """The GPU node runs this script with only a CUDA PyTorch image."""
+    import subprocess
+
+    code = ("import builtins, runpy, sys\n"
+            "real = builtins.__import__\n"
+            "def guard(name, *a, **k):\n"
+            "    if name.split('.')[0] in ('ray', 'mlflow', 'webdataset', 'boto3', 'cleanlab'):\n"
+            "        raise ImportError('blocked: ' + name)\n"
+            "    return real(name, *a, **k)\n"
+            "builtins.__import__ = guard\n"
+            f"sys.argv = ['bench_cifar.py', '--help']\n"
+            "try:\n"
+            f"    runpy.run_path({str(ROOT / 'benchmarks' / 'bench_cifar.py')!r}, run_name='__main__')\n"
+            "except SystemExit as e:\n"
+            "    assert e.code in (0, None), e.code\n"
+            "print('imported')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and "imported" in out.stdout, out.stderr[-2000:]
