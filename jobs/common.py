@@ -306,6 +306,11 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
     m.add_argument("--model", default=None)
     m.add_argument("--pretrained", action=argparse.BooleanOptionalAction, default=None,
                    help="ImageNet weights for the backbone (resnet50 only)")
+    m.add_argument("--init-from", default=None, metavar="RUN_OR_CHECKPOINT",
+                   help="start from the weights of another run: its run folder "
+                        "(<run-dir>/train/<run-name>), a checkpoint folder or state.pt. With "
+                        "--pretrain-epochs 0 after a finished CE run this is the paper's code's "
+                        "protocol (docs/guide.md)")
     m.add_argument("--epochs", type=int, default=None, help="total epochs, CE included")
     m.add_argument("--pretrain-epochs", type=int, default=None,
                    help="CE epochs before LCCN starts")
@@ -540,7 +545,21 @@ def dist_config(args: argparse.Namespace, *, run_name: str, train: str, test: st
         checkpoint_every=args.checkpoint_every, lr_values=tuple(args.lr_values),
         pretrained=args.pretrained, tracking_uri=tracking, experiment=args.experiment,
         class_names=tuple(class_names), inject_failure=args.inject_failure,
-        verify_checksums=args.verify_checksums, s3_endpoint_url=args.s3_endpoint_url)
+        verify_checksums=args.verify_checksums, s3_endpoint_url=args.s3_endpoint_url,
+        init_from=_init_from(args))
+
+
+def _init_from(args: argparse.Namespace) -> str | None:
+    """--init-from as the absolute path of the state file it names (checked before any
+    worker starts: a wrong path is one line, not a failed run)."""
+    if not getattr(args, "init_from", None):
+        return None
+    from pipeline.engine import init_state_file
+
+    try:
+        return str(init_state_file(args.init_from).resolve())
+    except (OSError, ValueError) as e:
+        raise SystemExit(str(e)) from None
 
 
 def _source(path_or_url: str | os.PathLike | None) -> str | None:

@@ -98,6 +98,8 @@ class DistConfig:
         (once per shard and process; ``pipeline.data.LoaderConfig``).
     s3_endpoint_url: endpoint of an S3-compatible store for ``s3://`` sources (None:
         ``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL`` on each worker, else AWS).
+    init_from: a fresh run starts from the weights of this checkpoint, checkpoint folder
+        or finished run (``pipeline.engine.init_state_file``); a resumed run ignores it.
     mlflow_tags: ``(key, value)`` pairs set on the MLflow run when it is created (a sweep
         trial: ``mlflow.parentRunId`` of the sweep's parent run and its trial id).
     """
@@ -121,6 +123,7 @@ class DistConfig:
     inject_failure: str = ""
     verify_checksums: bool = True
     s3_endpoint_url: str | None = None
+    init_from: str | None = None
     mlflow_tags: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
@@ -300,7 +303,7 @@ def run_worker(run: RunConfig, dist: DistConfig, view: LabelView, store: Any,
                             pretrained=dist.pretrained, lr_values=dist.lr_values,
                             tracking=tracking, after_step=lambda step: failures(step, stores[0]),
                             normalize=build_batch_transform(dist.preset) if cuda else None,
-                            sample_keys=keys)
+                            sample_keys=keys, init_from=dist.init_from)
     return Engine(run, session, data, chain=chain, options=options).fit()
 
 

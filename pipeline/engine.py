@@ -51,6 +51,7 @@ import copy
 import itertools
 import json
 import math
+import os
 import sys
 import tempfile
 import time
@@ -185,6 +186,34 @@ def select_epoch(history: list[dict[str, float]], key: str = "val_top1") -> int:
     if not finite:
         return len(history) - 1
     return max(finite, key=lambda i: (vals[i], -i))
+
+
+def init_state_file(path: str | os.PathLike) -> Path:
+    """The ``state.pt`` that :attr:`EngineOptions.init_from` names: the file itself, a
+    checkpoint folder holding one, or a folder of ``checkpoint_*`` folders (a run's
+    ``<run_dir>/train/<run_name>``; ``<run_dir>`` itself when it holds one run) whose
+    newest complete checkpoint (largest global step) is taken."""
+    p = Path(path).expanduser()
+    if p.is_file():
+        return p
+    if (p / STATE_FILE).is_file():
+        return p / STATE_FILE
+    roots = [p] + ([r for r in sorted((p / "train").iterdir()) if r.is_dir()]
+                   if (p / "train").is_dir() else [])
+    found = []
+    for root in roots:
+        for d in root.glob("checkpoint_*"):
+            if (d / STATE_FILE).is_file() and (d / META_FILE).is_file():
+                step = int(json.loads((d / META_FILE).read_text())["global_step"])
+                found.append((step, root, d))
+    if not found:
+        raise FileNotFoundError(f"--init-from {path}: no {STATE_FILE}, checkpoint folder or "
+                                f"run with a complete checkpoint there")
+    runs = sorted({str(r) for _, r, _ in found})
+    if len(runs) > 1:
+        raise ValueError(f"--init-from {path}: it holds the checkpoints of {len(runs)} runs "
+                         f"({', '.join(runs)}); name one")
+    return max(found, key=lambda t: t[0])[2] / STATE_FILE
 
 
 def held_out_mask(view: LabelView, fraction: float, *, seed: int) -> np.ndarray | None:
@@ -683,6 +712,9 @@ class EngineOptions:
     # its samples, e.g. the local trainer without its validation split) and its key
     sample_idx: np.ndarray | None = None
     sample_keys: Any = None  # a sequence of str by the split's idx, or None
+    # a fresh run starts from the weights of another run's checkpoint (init_state_file:
+    # a finished CE run, the paper's code's protocol); a resumed run ignores it
+    init_from: str | None = None
 
 
 _REDUCED = ("loss", "label_recovery", "changed", "staleness", "gamma", "step_time",
@@ -839,6 +871,8 @@ class Engine:
         self.start_epoch = self.start_batch = 0
         if state is not None:
             self._load(state)
+        elif self.options.init_from:
+            self._init_weights(self.options.init_from)
         perf = run.perf  # the step's fast paths: RunConfig.perf alone decides them
         for m in self.members:
             # channels-last converts the parameters in place: the optimizer keeps them
@@ -858,6 +892,30 @@ class Engine:
         self._prepared = True
         return ({"resumed_epoch": float(self.start_epoch), "resumed_batch": float(self.start_batch)}
                 if state is not None else {"resumed_epoch": -1.0, "resumed_batch": -1.0})
+
+    def _init_weights(self, where: str) -> None:
+        """Every member's weights (and weight average) from another run's checkpoint; the
+        optimiser, schedule, position and chain start fresh."""
+        path = init_state_file(where)
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        models = state.get("models", [state["model"]] if "model" in state else [])
+        if len(models) != len(self.members):
+            raise ValueError(f"--init-from {path}: it holds {len(models)} networks; method "
+                             f"{self.run.method!r} trains {len(self.members)}")
+        emas = state.get("emas") or [None] * len(models)
+        for i, (m, ms, es) in enumerate(zip(self.members, models, emas)):
+            try:
+                m.model.load_state_dict(ms)
+                if m.ema is not None:
+                    m.ema.load_state_dict(es if es is not None else ms)
+            except RuntimeError as e:
+                raise ValueError(f"--init-from {path}: network {i} does not fit this run's "
+                                 f"model {self.run.model.name!r} with {self.k_latent} outputs: "
+                                 f"{str(e).splitlines()[0]}") from None
+        if self.session.rank == 0:
+            print(f"run {self.options.run_name}: starting from the weights of {path} (method "
+                  f"{state.get('method_name', '?')!r}, after epoch {state.get('epoch', '?')})",
+                  flush=True)
 
     def _load(self, state: dict) -> None:
         name = state.get("method_name", self.run.method)

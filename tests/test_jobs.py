@@ -62,6 +62,26 @@ def test_weight_average_is_off_in_the_recipes_and_an_option_of_every_job():
         _configs(cifar_lccn, ["--data", "/x", "--ema-decay", "1"])
 
 
+def test_init_from_is_resolved_before_any_worker_starts(tmp_path):
+    import torch
+
+    ckpt = tmp_path / "train" / "ce" / "checkpoint_000003"
+    ckpt.mkdir(parents=True)
+    torch.save({"models": []}, ckpt / "state.pt")
+    (ckpt / "meta.json").write_text(json.dumps({"global_step": 3}))
+
+    def dist(where):
+        args = cifar_lccn.get_args_parser().parse_args(
+            ["--data", "/x", "--no-tracking", "--run-dir", str(tmp_path / "new"),
+             "--init-from", str(where)])
+        return common.dist_config(args, run_name="r", train="/x/train", test=None,
+                                  class_names=[], transform="cifar")
+
+    assert dist(tmp_path).init_from == str((ckpt / "state.pt").resolve())
+    with pytest.raises(SystemExit, match="--init-from .*nowhere: no state.pt"):
+        dist(tmp_path / "nowhere")
+
+
 def test_web_presets_are_the_papers():
     args, run = _configs(clothing1m_lccn, ["--data", "/x"])
     assert run.model.name == "resnet50" and args.pretrained

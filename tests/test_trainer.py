@@ -461,3 +461,66 @@ def test_weight_average_follows_its_recurrence_scores_the_run_and_is_checkpointe
     assert all(torch.equal(a, b) for a, b in zip(lm.ema.parameters(), lm.model.parameters()))
     with pytest.raises(ValueError, match="ema_decay must be in"):
         OptimConfig(ema_decay=1.0)
+
+
+def _write_checkpoint(folder, state):
+    import json
+    folder.mkdir(parents=True)
+    torch.save(state, folder / "state.pt")
+    (folder / "meta.json").write_text(json.dumps({"global_step": state["global_step"]}))
+
+
+def test_init_from_starts_a_fresh_run_from_another_runs_final_weights(tmp_path):
+    """EngineOptions.init_from (the jobs' --init-from): a finished CE run's newest complete
+    checkpoint is found from its run folder; LCCN with no pre-training starts from those
+    weights (and average) with a fresh optimiser at epoch 0 in its noise phase; a wrong
+    path, two runs, a network count or shape that does not fit are errors naming the file."""
+    from pipeline.engine import init_state_file
+
+    xtr, ytr, xte, yte = _digits()
+    view = pair_flip(ytr, 10, CIFAR10_ASYM_MAP, 0.4, seed=0)
+    optim = OptimConfig(epochs=2, pretrain_epochs=2, batch_size=64, lr=0.05, ema_decay=0.9)
+    ce_session = _KeepCheckpoints()
+    ce = LocalTrainer(replace(_short_cfg(), method="ce", optim=optim), TensorData(xtr, view),
+                      TensorData(xte, clean_view(yte)), session=ce_session)
+    ce.fit()
+    first, final = ce_session.states
+    run = tmp_path / "runs" / "train" / "ce-run"
+    _write_checkpoint(run / "checkpoint_000000", first)
+    _write_checkpoint(run / "checkpoint_000001", final)
+    (run / "checkpoint_000002").mkdir()  # incomplete: no state
+    for where in (tmp_path / "runs", run, run / "checkpoint_000001",
+                  run / "checkpoint_000001" / "state.pt"):
+        assert init_state_file(where) == run / "checkpoint_000001" / "state.pt", where
+    cfg = replace(_short_cfg(warmup_steps=5), optim=replace(optim, epochs=1, pretrain_epochs=0))
+
+    def lccn(init_from):
+        t = LocalTrainer(cfg, TensorData(xtr, view), TensorData(xte, clean_view(yte)))
+        t.engine.options = replace(t.engine.options, init_from=str(init_from))
+        return t
+
+    t = lccn(tmp_path / "runs")
+    t.engine.prepare()
+    m = t.engine.members[0]
+    for name, v in m.model.state_dict().items():
+        assert torch.equal(v, final["models"][0][name]), name
+    for name, v in m.ema.state_dict().items():
+        assert torch.equal(v, final["emas"][0][name]), name
+    assert t.engine.start_epoch == 0 and not m.optimizer.state  # fresh momentum
+    hist = t.fit()
+    assert [r["phase"] for r in hist] == [1.0] and hist[0]["test_top1"] > 0.5
+    # errors
+    _write_checkpoint(tmp_path / "runs" / "train" / "other" / "checkpoint_000000", first)
+    with pytest.raises(ValueError, match="checkpoints of 2 runs"):
+        init_state_file(tmp_path / "runs")
+    with pytest.raises(FileNotFoundError, match="no state.pt"):
+        init_state_file(tmp_path / "empty")
+    two = dict(final, models=[final["models"][0]] * 2)
+    torch.save(two, tmp_path / "two.pt")
+    with pytest.raises(ValueError, match=r"two\.pt: it holds 2 networks"):
+        lccn(tmp_path / "two.pt").engine.prepare()
+    bad = dict(final, models=[{k: v for k, v in final["models"][0].items() if "weight" not in k}],
+               emas=None)
+    torch.save(bad, tmp_path / "bad.pt")
+    with pytest.raises(ValueError, match=r"bad\.pt: network 0 does not fit"):
+        lccn(tmp_path / "bad.pt").engine.prepare()
