@@ -255,6 +255,12 @@ def fit_pair(args: argparse.Namespace, cfg_ce: RunConfig, cfg_lccn: RunConfig,
     out: dict = {}
     if args.pretrain_from is not None:
         snap = _wait_for_pretrain(args.pretrain_from, args.pretrain_wait, args.device)
+        theirs, ours = snap.get("key", {}), _run_key(args)
+        differ = sorted(k for k in ours if theirs.get(k) != ours[k])
+        if differ:
+            raise ValueError(f"{args.pretrain_from} was written by another protocol: "
+                             + ", ".join(f"{k} {theirs.get(k)!r} there, {ours[k]!r} here"
+                                         for k in differ))
         if snap["epochs"] != p:
             raise ValueError(f"{args.pretrain_from} holds {snap['epochs']} pre-training "
                              f"epochs, this run asks for --pretrain-epochs {p}")
@@ -280,7 +286,8 @@ def fit_pair(args: argparse.Namespace, cfg_ce: RunConfig, cfg_lccn: RunConfig,
                 ema = ce.engine.members[0].ema
                 snap["ema"] = copy.deepcopy(ema.state_dict()) if ema is not None else None
                 if args.pretrain_out is not None:
-                    _save_pretrain(args.pretrain_out, dict(snap, history=rows[:p], epochs=p))
+                    _save_pretrain(args.pretrain_out, dict(snap, history=rows[:p], epochs=p,
+                                                           key=_run_key(args)))
 
         hist_ce = ce.fit(on_epoch=on_epoch)
         if "ce" in args.methods:
@@ -337,6 +344,15 @@ def fit_pair(args: argparse.Namespace, cfg_ce: RunConfig, cfg_lccn: RunConfig,
     print("learned phi[k, j] = P(observed=j | latent=k):\n"
           + format_transition(lc.transition().numpy(), rows="latent"))
     return out
+
+
+def _run_key(args: argparse.Namespace) -> dict:
+    """What a handed-over pre-training must share with the run that continues it."""
+    return {"settings": list(args.settings), "seeds": list(args.seeds),
+            "train_size": args.train_size, "model": args.model, "lr": args.lr,
+            "lr_values": list(args.lr_values), "milestones": list(args.milestones),
+            "batch_size": args.batch_size, "val_fraction": args.val_fraction,
+            "ema_decay": args.ema_decay, "restart": args.restart}
 
 
 def _save_pretrain(path: Path, snap: dict) -> None:

@@ -15,7 +15,7 @@
 # --compile off for the eager step, --ramp-epochs 6.5 for the ramp of the 39-epoch runs
 # recorded in benchmarks/results/gpu.md; --restart for the paper's code's protocol: LCCN
 # starts from CE's final weights and runs all EPOCHS again). When one run fails the others
-# are stopped.
+# are stopped (needs bash 4.3+ for wait -n).
 # Per-epoch lines go to OUT_DIR/<setting>-<method>.log, results to OUT_DIR/*.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,10 +26,14 @@ p=$((epochs / 3)); m2=$((2 * epochs / 3)); warm=$((20000 * epochs / 120))
 echo "paper CIFAR-10 schedule: $epochs epochs ($p CE), milestones $p $m2, warm-up $warm steps"
 # the states the CE runs hand to the LCCN runs (STATE_DIR keeps them, e.g. to carry CE's final
 # state to a later session with --restart --methods lccn --pretrain-from STATE_DIR/<setting>.pt)
-if [ -n "${STATE_DIR:-}" ]; then state=$STATE_DIR; mkdir -p "$state"
-else state=$(mktemp -d); trap 'rm -rf "$state"' EXIT; fi
+if [ -n "${STATE_DIR:-}" ]; then state=$STATE_DIR; mkdir -p "$state"; else state=$(mktemp -d); fi
 pids=()
+stop() { [ ${#pids[@]} -eq 0 ] || kill "${pids[@]}" 2>/dev/null || true; }
+# background runs ignore Ctrl-C in a script: stop them on any exit; drop a temporary state dir
+trap 'stop; [ -n "${STATE_DIR:-}" ] || rm -rf "$state"' EXIT
+trap 'exit 130' INT TERM
 for s in asym0.5 sym0.5; do
+  rm -f "$state/$s.pt" "$state/$s.pt.partial"  # an earlier run's state must not be taken
   for m in ce lccn; do
     if [ "$m" = ce ]; then hand=(--pretrain-out "$state/$s.pt"); else hand=(--pretrain-from "$state/$s.pt"); fi
     PYTHONUNBUFFERED=1 "$PY" benchmarks/bench_cifar.py --device cuda --data "$data" \
@@ -46,7 +50,9 @@ for _ in "${pids[@]}"; do
   if ! wait -n; then
     rc=1
     echo "a run failed (see $out/*.log); stopping the others" >&2
-    kill "${pids[@]}" 2>/dev/null || true
+    stop
+    wait || true
+    break
   fi
 done
 exit $rc

@@ -546,20 +546,28 @@ def dist_config(args: argparse.Namespace, *, run_name: str, train: str, test: st
         pretrained=args.pretrained, tracking_uri=tracking, experiment=args.experiment,
         class_names=tuple(class_names), inject_failure=args.inject_failure,
         verify_checksums=args.verify_checksums, s3_endpoint_url=args.s3_endpoint_url,
-        init_from=_init_from(args))
+        init_from=_init_from(args, run_dir / "train" / run_name))
 
 
-def _init_from(args: argparse.Namespace) -> str | None:
-    """--init-from as the absolute path of the state file it names (checked before any
-    worker starts: a wrong path is one line, not a failed run)."""
+def _init_from(args: argparse.Namespace, own_checkpoints: Path) -> str | None:
+    """--init-from as the absolute path of the state file it names, checked before any
+    worker starts (a wrong path is one line, not a failed run). A run that resumes from
+    its own checkpoints ignores it, so then a path that no longer resolves is no error."""
     if not getattr(args, "init_from", None):
         return None
     from pipeline.engine import init_state_file
 
     try:
-        return str(init_state_file(args.init_from).resolve())
+        path = str(init_state_file(args.init_from).resolve())
     except (OSError, ValueError) as e:
+        if any(own_checkpoints.glob("checkpoint_*")):
+            return None  # resuming: the weights come from the run's own checkpoint
         raise SystemExit(str(e)) from None
+    if args.pretrain_epochs:
+        print(f"note: --init-from with {args.pretrain_epochs} CE pre-training epochs first; "
+              f"--pretrain-epochs 0 starts the noise phase at once (the paper's code's "
+              f"protocol after a finished CE run)", flush=True)
+    return path
 
 
 def _source(path_or_url: str | os.PathLike | None) -> str | None:
@@ -1048,7 +1056,10 @@ def dataset_setup(args: argparse.Namespace, *, job: str, preset: Preset, smoke: 
         view = load_view(args, train, manifest=train_manifest)
     except ValueError as e:  # ManifestError (a shard that does not match), a bad --noise spec
         raise SystemExit(f"error: {e}") from None
-    run = run_config(args)
+    try:
+        run = run_config(args)
+    except ValueError as e:  # a config value out of range (--alpha 0, --ema-decay 1, ...)
+        raise SystemExit(f"error: {e}") from None
     check_transition_file(run, view.num_classes)
     note = warmup_covers_phase(run, train_manifest, args.num_workers)
     if note:

@@ -210,10 +210,13 @@ class OptimConfig:
         weights). After global step t the average moves toward the weights by
         ``1 - min(ema_decay, (1 + t) / (10 + t))`` (TensorFlow's ExponentialMovingAverage
         with ``num_updates``); batch-norm statistics are the live network's. Validation,
-        test, model selection and the pretrained predictions that start a noise model
-        (LCCN's phi_init and z, Forward's T) use the average; training does not. The paper's
-        CIFAR code evaluates with 0.9999: at its learning rate of 0.5 the live weights of a
-        noisy run swing by tens of points of accuracy from one epoch to the next.
+        test, model selection, the label-issue report's predictions and the pretrained
+        predictions that start a noise model (LCCN's and DivideLCCN's phi_init and z,
+        Forward's T) use the average; training (DivideMix's division and co-guessing
+        included) does not. A checkpoint keeps both: ``models`` (live) and ``emas``. The
+        paper's CIFAR code evaluates with 0.9999 (at its lr of 0.5 the live weights of a
+        noisy run swing by tens of points from one epoch to the next; the average steadied
+        that only partly in 29 epochs measured on a GPU: ``benchmarks/results/gpu.md``).
     """
 
     epochs: int = 30

@@ -206,9 +206,8 @@ def init_state_file(path: str | os.PathLike) -> Path:
             if (d / STATE_FILE).is_file() and (d / META_FILE).is_file():
                 try:
                     step = int(json.loads((d / META_FILE).read_text())["global_step"])
-                except (ValueError, KeyError, TypeError) as e:
-                    raise ValueError(f"--init-from {path}: unreadable {d / META_FILE} "
-                                     f"({type(e).__name__}: {e})") from None
+                except (ValueError, KeyError, TypeError):
+                    continue  # half written: not a complete checkpoint
                 found.append((step, root, d))
     if not found:
         raise FileNotFoundError(f"--init-from {path}: no {STATE_FILE}, checkpoint folder or "

@@ -46,8 +46,11 @@ def test_pretraining_handed_between_processes_is_the_shared_one(bench, shared_da
     # a state of another pre-training length is refused, naming the file
     with pytest.raises(ValueError, match=r"sym0\.5\.pt holds 1 pre-training epochs"):
         bench["main"](_argv(shared_data, tmp_path / "bad", cache, "--methods", "lccn",
-                            "--pretrain-from", str(state), "--pretrain-epochs", "2",
-                            "--milestones", "3"))
+                            "--pretrain-from", str(state), "--pretrain-epochs", "0"))
+    with pytest.raises(ValueError, match=r"sym0\.5\.pt was written by another protocol: lr "
+                                         r"0\.1 there, 0\.2 here"):
+        bench["main"](_argv(shared_data, tmp_path / "bad", cache, "--methods", "lccn",
+                            "--pretrain-from", str(state), "--lr", "0.2"))
     with pytest.raises(SystemExit):
         bench["main"](_argv(shared_data, tmp_path / "bad", cache, "--pretrain-from", str(state)))
 
@@ -55,10 +58,28 @@ def test_pretraining_handed_between_processes_is_the_shared_one(bench, shared_da
 def test_restart_runs_the_whole_schedule_again_from_ces_final_weights(bench, shared_data,
                                                                       tmp_path, one_thread):
     cache = tmp_path / "cache"
-    r = bench["main"](_argv(shared_data, tmp_path / "r", cache, "--restart", "--ema-decay",
-                            "0.9"))[0]
+    g = bench["fit_pair"].__globals__
+    base, seen = g["LocalTrainer"], []
+
+    class Recording(base):  # what each trainer's network is when its fit() starts
+        def fit(self, **kw):
+            seen.append((self, {k: v.clone() for k, v in self.model.state_dict().items()},
+                         len(self.optimizer.state)))
+            return super().fit(**kw)
+
+    g["LocalTrainer"] = Recording
+    try:
+        r = bench["main"](_argv(shared_data, tmp_path / "r", cache, "--restart", "--ema-decay",
+                                "0.9"))[0]
+    finally:
+        g["LocalTrainer"] = base
+    (ce_t, _, _), (lc_t, lc_start, lc_momenta) = seen
+    # LCCN starts from CE's final weights and average, with fresh momentum
+    for k, v in ce_t.model.state_dict().items():
+        assert torch.equal(lc_start[k], v), k
+    assert lc_momenta == 0
     ce, lc = r["methods"]["ce"]["history"], r["methods"]["lccn"]["history"]
-    assert len(ce) == 3 and len(lc) == 6 and lc[:3] == ce
+    assert len(ce) == 3 and len(lc) == 6
     assert [x["epoch"] for x in lc[3:]] == [3, 4, 5] and [x["phase"] for x in lc[3:]] == [1.0] * 3
     # the same learning rates again: 0.1, 0.1, then x0.1 after epoch 2 of each run
     assert [x["lr"] for x in lc[3:]] == pytest.approx([x["lr"] for x in ce])

@@ -80,6 +80,28 @@ def test_test_top1_is_the_ensemble_of_both_networks(runs, digits, method):
     assert hist[-1]["test_top5"] == pytest.approx(hits[5] / len(clean))
 
 
+def test_with_a_weight_average_the_ensemble_of_the_averages_is_scored(digits):
+    """OptimConfig.ema_decay on the two-network methods: the reported accuracy is the
+    ensemble of both networks' weight averages, not of the live weights."""
+    train, test = digits
+    cfg = _cfg("divide_lccn", epochs=3, pretrain=2)
+    cfg = replace(cfg, optim=replace(cfg.optim, ema_decay=0.9))
+    trainer = LocalTrainer(cfg, train, test)
+    hist = trainer.fit()
+    clean = torch.from_numpy(test.labels.clean)
+
+    def top1(nets):
+        with torch.no_grad():
+            l0, l1 = (net.eval()(test.images) for net in nets)
+        return divide_maths.ensemble_topk(l0, l1, clean, ks=(1,))[1] / len(clean)
+
+    members = trainer.engine.members
+    assert all(m.ema is not None for m in members)
+    assert hist[-1]["test_top1"] == pytest.approx(top1([m.ema for m in members]))
+    assert not all(torch.equal(a, b) for a, b in zip(members[0].ema.parameters(),
+                                                     members[0].model.parameters()))
+
+
 def test_warm_up_negative_entropy_penalty(digits):
     """conf_penalty adds mean Σ p log p (<= 0) to the warm-up cross-entropy: a lower
     reported loss and less confident networks than the same warm-up without it."""

@@ -80,6 +80,9 @@ def test_init_from_is_resolved_before_any_worker_starts(tmp_path):
     assert dist(tmp_path).init_from == str((ckpt / "state.pt").resolve())
     with pytest.raises(SystemExit, match="--init-from .*nowhere: no state.pt"):
         dist(tmp_path / "nowhere")
+    # a run resuming from its own checkpoints ignores it, resolvable or not
+    (tmp_path / "new" / "train" / "r" / "checkpoint_000001").mkdir(parents=True)
+    assert dist(tmp_path / "nowhere").init_from is None
 
 
 def test_web_presets_are_the_papers():
@@ -341,6 +344,17 @@ def test_cifar_trusted_clean_samples_and_labelled_outliers_from_flags(tmp_path):
     (["--trusted-keys", "/nonexistent/list.txt"], "no such file"),
 ])
 def test_bad_trusted_flags_give_one_clear_line(tmp_path, argv, match):
+    args = cifar_lccn.get_args_parser().parse_args(["--smoke-test", "--run-dir",
+                                                    str(tmp_path), *argv])
+    with pytest.raises(SystemExit, match=match):
+        cifar_lccn.prepare_run(args)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--ema-decay", "1"], r"error: OptimConfig.ema_decay must be in \[0, 1\), got 1.0"),
+    (["--alpha", "0"], "error: alpha must be > 0, got 0.0"),
+])
+def test_config_values_out_of_range_give_one_clear_line(tmp_path, argv, match):
     args = cifar_lccn.get_args_parser().parse_args(["--smoke-test", "--run-dir",
                                                     str(tmp_path), *argv])
     with pytest.raises(SystemExit, match=match):

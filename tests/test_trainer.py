@@ -489,6 +489,8 @@ def test_init_from_starts_a_fresh_run_from_another_runs_final_weights(tmp_path):
     _write_checkpoint(run / "checkpoint_000000", first)
     _write_checkpoint(run / "checkpoint_000001", final)
     (run / "checkpoint_000002").mkdir()  # incomplete: no state
+    _write_checkpoint(run / "checkpoint_000003", final)
+    (run / "checkpoint_000003" / "meta.json").write_text('{"global_st')  # half written
     for where in (tmp_path / "runs", run, run / "checkpoint_000001",
                   run / "checkpoint_000001" / "state.pt"):
         assert init_state_file(where) == run / "checkpoint_000001" / "state.pt", where

@@ -340,9 +340,9 @@ class DivideMix(Method):
         two softmaxes (no noise model: the ensemble predicts a label itself, ``noisy``
         changes nothing); ``model`` (the engine passes network 0) is not used alone."""
         dev = self.engine.device
-        nets = [m.eval_model for m in self.members]
-        for m in self.members:
-            m.model.eval()
+        nets = [m.scorer for m in self.members]  # the weight averages, when kept
+        for net in nets:
+            net.eval()
         hit1 = hit5 = total = 0
         nll = torch.zeros((), dtype=torch.float64, device=dev)  # summed on the device
         for b in batches:
@@ -434,7 +434,7 @@ class DivideLCCN(DivideMix):
         eng, data = self.engine, self.engine.data
         phis, out = [], {}
         for k, m in enumerate(self.members):
-            probs, idx, _ = predict(m.eval_model, data.train_eval_batches(), device=eng.device)
+            probs, idx, _ = predict(m.scorer, data.train_eval_batches(), device=eng.device)
             observed = data.observed[idx]
             phi = estimate_phi_init(self.lc, probs, observed, self.num_classes,
                                     self.num_classes, reduce=eng.reduce_cpu)
@@ -479,7 +479,7 @@ class DivideLCCN(DivideMix):
         stats = super().train_epoch(epoch, batches, after_step)
         if noise:
             label_issues.finish_epoch(self.report, self.engine, epoch,
-                                      [m.eval_model for m in self.members])
+                                      [m.scorer for m in self.members])
         return stats
 
     def _begin_chain_pass(self) -> None:

@@ -154,7 +154,7 @@ class LCCN(Method):
         if active is not None:
             if self.outlier_mean is not None:
                 self.outlier_mean.end_epoch(epoch, self.engine.reduce_cpu)
-            label_issues.finish_epoch(self.report, self.engine, epoch, [m.eval_model])
+            label_issues.finish_epoch(self.report, self.engine, epoch, [m.scorer])
         return stats
 
     def flush(self) -> None:
