@@ -163,6 +163,8 @@ def _check_command(argv: list[str]) -> bool:
     from shards import cli, labelview
     from tune import sweep
 
+    if not argv:  # a line that only sets a shell variable
+        return False
     prog, args = argv[0], argv[1:]
     if prog == "python" and args[:1] == ["-m"]:
         prog, args = f"python -m {args[1]}", args[2:]
