@@ -378,9 +378,11 @@ def _wait_for_pretrain(path: Path, timeout: float, device: str) -> dict:
     return snap
 
 
-def summarise(entry: dict) -> dict:
+def summarise(entry: dict, start: int = 0) -> dict:
+    """Final and noisy-validation-selected test accuracy; ``start``: the selection looks
+    only at epochs from there on (a restarted run chooses among its own epochs)."""
     hist = entry["history"]
-    sel = select_epoch(hist)
+    sel = start + select_epoch(hist[start:])
     return {"final_test": hist[-1]["test_top1"], "selected_test": hist[sel]["test_top1"],
             "selected_epoch": sel + 1, "final_val": hist[-1]["val_top1"],
             "transition_error": hist[-1].get("transition_error", float("nan")),
@@ -407,8 +409,9 @@ def run_one(args: argparse.Namespace, name: str, seed: int, data) -> dict:
     result["methods"] = fit_pair(args, cfg_ce, cfg_lccn, train, test)
     result["wall_s"] = time.perf_counter() - t0
     result["load_avg_end"] = os.getloadavg()
-    for entry in result["methods"].values():
-        entry["summary"] = summarise(entry)
+    for m, entry in result["methods"].items():
+        entry["summary"] = summarise(entry, start=args.epochs if args.restart and m != "ce"
+                                     else 0)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{name}-seed{seed}{args.tag}.json"
     path.write_text(json.dumps(result, indent=1))

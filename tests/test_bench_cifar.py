@@ -80,6 +80,7 @@ def test_restart_runs_the_whole_schedule_again_from_ces_final_weights(bench, sha
     assert lc_momenta == 0
     ce, lc = r["methods"]["ce"]["history"], r["methods"]["lccn"]["history"]
     assert len(ce) == 3 and len(lc) == 6
+    assert r["methods"]["lccn"]["summary"]["selected_epoch"] in (4, 5, 6)  # its own epochs
     assert [x["epoch"] for x in lc[3:]] == [3, 4, 5] and [x["phase"] for x in lc[3:]] == [1.0] * 3
     # the same learning rates again: 0.1, 0.1, then x0.1 after epoch 2 of each run
     assert [x["lr"] for x in lc[3:]] == pytest.approx([x["lr"] for x in ce])
