@@ -352,6 +352,11 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
                         "docs/label-issues.md)")
     m.add_argument("--stop-on-collapse", action="store_true",
                    help="stop the run when the collapse monitor fires (default: warn)")
+    m.add_argument("--collapse-val-drop", type=float, default=MonitorConfig.val_drop,
+                   help="the monitor's 'classifier degrading' check: noisy-validation accuracy "
+                        "this far (a fraction) below its value when the noise phase started "
+                        "(raise it after --init-from, where a restarted learning rate costs "
+                        "accuracy for a while)")
     m.add_argument("--anneal", action=argparse.BooleanOptionalAction, default=None,
                    help="power annealing max(exp(-0.8 step/max_step), 0.5)")
     m.add_argument("--outlier", action="store_true", help="LCCN*: K+1 latent classes")
@@ -440,7 +445,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
                         commit_every=args.commit_every,
                         report_epochs=getattr(args, "report_epochs", LCCNConfig.report_epochs)),
         baseline=baseline_config(args),
-        monitor=MonitorConfig(stop=args.stop_on_collapse),
+        monitor=MonitorConfig(stop=args.stop_on_collapse, val_drop=args.collapse_val_drop),
         divide=DivideConfig(p_threshold=args.p_threshold, temperature=args.temperature,
                             mixmatch_alpha=args.mixmatch_alpha, lambda_u=args.lambda_u,
                             conf_penalty=bool(args.conf_penalty)),

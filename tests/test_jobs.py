@@ -62,6 +62,13 @@ def test_weight_average_is_off_in_the_recipes_and_an_option_of_every_job():
         _configs(cifar_lccn, ["--data", "/x", "--ema-decay", "1"])
 
 
+def test_collapse_val_drop_reaches_the_monitor():
+    _, run = _configs(cifar_lccn, ["--data", "/x"])
+    assert run.monitor.val_drop == 0.10 and not run.monitor.stop
+    _, run = _configs(cifar_lccn, ["--data", "/x", "--collapse-val-drop", "0.3"])
+    assert run.monitor.val_drop == 0.3
+
+
 def test_init_from_is_resolved_before_any_worker_starts(tmp_path):
     import torch
 
