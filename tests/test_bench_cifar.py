@@ -84,6 +84,13 @@ def test_restart_runs_the_whole_schedule_again_from_ces_final_weights(bench, sha
     assert [x["epoch"] for x in lc[3:]] == [3, 4, 5] and [x["phase"] for x in lc[3:]] == [1.0] * 3
     # the same learning rates again: 0.1, 0.1, then x0.1 after epoch 2 of each run
     assert [x["lr"] for x in lc[3:]] == pytest.approx([x["lr"] for x in ce])
+    # the GPU script's path: CE writes its final state, LCCN restarts from it elsewhere
+    state = tmp_path / "state.pt"
+    bench["main"](_argv(shared_data, tmp_path / "h", cache, "--restart", "--ema-decay", "0.9",
+                        "--methods", "ce", "--pretrain-out", str(state)))
+    handed = bench["main"](_argv(shared_data, tmp_path / "h", cache, "--restart", "--ema-decay",
+                                 "0.9", "--methods", "lccn", "--pretrain-from", str(state)))[0]
+    assert _tests(handed["methods"]["lccn"]) == _tests(r["methods"]["lccn"])
     control = bench["main"](_argv(shared_data, tmp_path / "c", cache, "--restart",
                                   "--restart-control", "--ema-decay", "0.9"))[0]
     assert set(control["methods"]) == {"ce", "ce_restart"}
