@@ -198,25 +198,20 @@ def init_state_file(path: str | os.PathLike) -> Path:
         return p
     if (p / STATE_FILE).is_file():
         return p / STATE_FILE
+    # the resume path's own choice (a folder that does not load is skipped); imported here:
+    # pipeline.ray_train imports this module (and Ray only inside its functions)
+    from pipeline.ray_train import newest_complete_checkpoint
+
     roots = [p] + ([r for r in sorted((p / "train").iterdir()) if r.is_dir()]
                    if (p / "train").is_dir() else [])
-    found = []
-    for root in roots:
-        for d in root.glob("checkpoint_*"):
-            if (d / STATE_FILE).is_file() and (d / META_FILE).is_file():
-                try:
-                    step = int(json.loads((d / META_FILE).read_text())["global_step"])
-                except (ValueError, KeyError, TypeError):
-                    continue  # half written: not a complete checkpoint
-                found.append((step, root, d))
+    found = {r: d for r in roots if (d := newest_complete_checkpoint(r)) is not None}
     if not found:
         raise FileNotFoundError(f"--init-from {path}: no {STATE_FILE}, checkpoint folder or "
                                 f"run with a complete checkpoint there")
-    runs = sorted({str(r) for _, r, _ in found})
-    if len(runs) > 1:
-        raise ValueError(f"--init-from {path}: it holds the checkpoints of {len(runs)} runs "
-                         f"({', '.join(runs)}); name one")
-    return max(found, key=lambda t: t[0])[2] / STATE_FILE
+    if len(found) > 1:
+        raise ValueError(f"--init-from {path}: it holds the checkpoints of {len(found)} runs "
+                         f"({', '.join(str(r) for r in found)}); name one")
+    return next(iter(found.values())) / STATE_FILE
 
 
 def held_out_mask(view: LabelView, fraction: float, *, seed: int) -> np.ndarray | None:

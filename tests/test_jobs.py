@@ -74,7 +74,7 @@ def test_init_from_is_resolved_before_any_worker_starts(tmp_path):
 
     ckpt = tmp_path / "train" / "ce" / "checkpoint_000003"
     ckpt.mkdir(parents=True)
-    torch.save({"models": []}, ckpt / "state.pt")
+    torch.save({"models": [], "global_step": 3}, ckpt / "state.pt")
     (ckpt / "meta.json").write_text(json.dumps({"global_step": 3}))
 
     def dist(where):
