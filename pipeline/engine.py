@@ -251,6 +251,9 @@ class Member:
     eval_model: nn.Module | None = None
     ema: nn.Module | None = None
     ema_eval: nn.Module | None = None
+    # the tensor lists update_average works on, built once per (model, ema) pair: walking the
+    # module tree for them each step costs more than the fused update itself
+    _average_lists: tuple | None = field(default=None, repr=False, compare=False)
 
     @property
     def scorer(self) -> nn.Module | None:
@@ -264,11 +267,15 @@ class Member:
         the buffers (batch-norm statistics) are copied."""
         if self.ema is None:
             return
-        torch._foreach_lerp_(list(self.ema.parameters()), list(self.model.parameters()),
-                             1.0 - decay)
-        bufs = list(self.ema.buffers())
-        if bufs:
-            torch._foreach_copy_(bufs, list(self.model.buffers()))
+        key = (id(self.model), id(self.ema))
+        if self._average_lists is None or self._average_lists[0] != key:
+            self._average_lists = (key, list(self.ema.parameters()),
+                                   list(self.model.parameters()), list(self.ema.buffers()),
+                                   list(self.model.buffers()))
+        _, avg, live, avg_bufs, live_bufs = self._average_lists
+        torch._foreach_lerp_(avg, live, 1.0 - decay)
+        if avg_bufs:
+            torch._foreach_copy_(avg_bufs, live_bufs)
 
 
 # -- data ---------------------------------------------------------------------------------------

@@ -102,3 +102,39 @@ def test_epoch_stats_average_over_the_ranks_that_measured_them():
     assert row["loss"] == 2.0 and row["label_recovery"] == pytest.approx(0.9)
     assert row["images_per_s"] == 150.0 and row["steps_per_s"] == 2.0
     assert np.isnan(row["changed"]) and np.isnan(row["staleness"])
+
+
+def test_update_average_follows_a_replaced_average_or_model():
+    """Member.update_average caches its tensor lists; a new ``ema`` or ``model`` module (an
+    average set up again, a network replaced) must be the one updated, not the cached one."""
+    import copy
+
+    from pipeline.engine import Member
+
+    live = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    opt = torch.optim.SGD(live.parameters(), lr=0.1)
+    member = Member(model=live, optimizer=opt, scheduler=None, ema=copy.deepcopy(live))
+    with torch.no_grad():
+        for p in live.parameters():
+            p.add_(1.0)
+    member.update_average(0.5)
+    first = member.ema
+    for a, p in zip(first.parameters(), live.parameters()):
+        torch.testing.assert_close(a, p - 0.5)
+    member.ema = copy.deepcopy(live)  # a new average
+    with torch.no_grad():
+        for p in live.parameters():
+            p.add_(1.0)
+    member.update_average(0.5)
+    for a, p in zip(member.ema.parameters(), live.parameters()):
+        torch.testing.assert_close(a, p - 0.5)
+    for a, p in zip(first.parameters(), live.parameters()):  # the old one is left alone
+        torch.testing.assert_close(a, p - 1.5)
+    other = copy.deepcopy(live)  # a new network
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(2.0)
+    member.model = other
+    member.update_average(0.0)
+    for a, p in zip(member.ema.parameters(), other.parameters()):
+        torch.testing.assert_close(a, p)
