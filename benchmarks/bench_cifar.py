@@ -99,6 +99,10 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--ema-decay", type=float, default=0.0,
                    help="evaluate a moving average of the weights (OptimConfig.ema_decay; "
                         "the paper's code: 0.9999); 0: the live weights")
+    p.add_argument("--norm-weight-decay", type=float, default=None,
+                   help="weight decay of the batch-norm parameters "
+                        "(OptimConfig.norm_weight_decay; the paper's code: 0); default: 5e-4 "
+                        "as the other weights")
     p.add_argument("--restart", action="store_true",
                    help="the paper's code's protocol: LCCN starts from CE's final weights "
                         "(after all --epochs; fresh momentum) and runs the whole schedule "
@@ -182,7 +186,7 @@ def run_config(args: argparse.Namespace, method: str, seed: int, steps_per_epoch
         optim=OptimConfig(epochs=args.epochs, pretrain_epochs=args.pretrain_epochs,
                           batch_size=args.batch_size, lr=args.lr, momentum=0.9,
                           weight_decay=5e-4, milestones=tuple(args.milestones), lr_decay=0.1,
-                          ema_decay=args.ema_decay),
+                          ema_decay=args.ema_decay, norm_weight_decay=args.norm_weight_decay),
         perf=PerfConfig(compile=args.compile),
         lccn=LCCNConfig(alpha=args.alpha, warmup_steps=warm, warmup=args.warmup,
                         targets=args.targets, init=args.init,
@@ -352,7 +356,8 @@ def _run_key(args: argparse.Namespace) -> dict:
             "train_size": args.train_size, "model": args.model, "lr": args.lr,
             "lr_values": list(args.lr_values), "milestones": list(args.milestones),
             "batch_size": args.batch_size, "val_fraction": args.val_fraction,
-            "ema_decay": args.ema_decay, "restart": args.restart}
+            "ema_decay": args.ema_decay, "norm_weight_decay": args.norm_weight_decay,
+            "restart": args.restart}
 
 
 def _save_pretrain(path: Path, snap: dict) -> None:

@@ -74,6 +74,7 @@ class Preset:
     lr_values: tuple[float, ...] = ()
     lr_decay: float = 0.1
     ema_decay: float = 0.0
+    norm_weight_decay: float | None = None
     alpha: float = _LCCN.alpha
     pretrained: bool = False
     in_channels: int = 3
@@ -174,7 +175,8 @@ def recipe(dataset: str, method: str) -> Preset:
 
 # the Preset fields the jobs take from the recipe unless given on the command line
 RECIPE_ARGS = ("model", "pretrained", "epochs", "pretrain_epochs", "batch_size", "lr",
-               "milestones", "lr_values", "lr_decay", "weight_decay", "ema_decay", "alpha",
+               "milestones", "lr_values", "lr_decay", "weight_decay", "ema_decay",
+               "norm_weight_decay", "alpha",
                "warmup_steps", "warmup", "targets", "ramp_epochs", "anneal", "mixmatch_alpha",
                "lambda_u", "p_threshold", "temperature", "conf_penalty")
 
@@ -332,6 +334,10 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
     m.add_argument("--ema-decay", type=float, default=None,
                    help="evaluate a moving average of the weights with this decay "
                         "(OptimConfig.ema_decay; 0: the live weights)")
+    m.add_argument("--norm-weight-decay", type=float, default=None,
+                   help="weight decay of the normalisation layers' parameters "
+                        "(OptimConfig.norm_weight_decay; default: --weight-decay's; the "
+                        "paper's CIFAR code: 0)")
     m.add_argument("--alpha", type=float, default=None, help="Dirichlet alpha")
     m.add_argument("--warmup-steps", type=int, default=None,
                    help="LCCN steps sampling with phi_init (delta)")
@@ -437,7 +443,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
         optim=OptimConfig(epochs=args.epochs, pretrain_epochs=args.pretrain_epochs,
                           batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
                           milestones=tuple(args.milestones), lr_decay=args.lr_decay,
-                          ema_decay=args.ema_decay),
+                          ema_decay=args.ema_decay, norm_weight_decay=args.norm_weight_decay),
         lccn=LCCNConfig(alpha=args.alpha, warmup_steps=args.warmup_steps, warmup=args.warmup,
                         targets=args.targets, ramp_epochs=args.ramp_epochs, anneal=anneal,
                         outlier=args.outlier, outlier_prior=getattr(args, "outlier_prior", 0.0),

@@ -217,6 +217,12 @@ class OptimConfig:
         paper's CIFAR code evaluates with 0.9999 (at its lr of 0.5 the live weights of a
         noisy run swing by tens of points from one epoch to the next; the average steadied
         that only partly in 29 epochs measured on a GPU: ``benchmarks/results/gpu.md``).
+    norm_weight_decay: the weight decay of the normalisation layers' parameters (batch-norm
+        scale and shift, and those of group-, layer- and instance-norm); None (default):
+        ``weight_decay``, as every other parameter. The paper's CIFAR code leaves them out of
+        its L2 penalty (0.0), as do many CIFAR and ImageNet recipes: the scale of a layer
+        followed by a normalisation does not change what the network computes, so decaying
+        it only shrinks the outputs the next layer sees.
     """
 
     epochs: int = 30
@@ -228,10 +234,14 @@ class OptimConfig:
     milestones: tuple[int, ...] = ()
     lr_decay: float = 0.1
     ema_decay: float = 0.0
+    norm_weight_decay: float | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.ema_decay < 1.0:
             raise ValueError(f"OptimConfig.ema_decay must be in [0, 1), got {self.ema_decay}")
+        if self.norm_weight_decay is not None and not self.norm_weight_decay >= 0:
+            raise ValueError(f"OptimConfig.norm_weight_decay must be >= 0 (or None: "
+                             f"weight_decay), got {self.norm_weight_decay}")
         if isinstance(self.milestones, list):
             object.__setattr__(self, "milestones", tuple(self.milestones))
         if self.epochs < 1 or not 0 <= self.pretrain_epochs <= self.epochs:

@@ -762,6 +762,26 @@ def _epoch_row(stats: dict[str, float], session: Session, *, epoch: int, global_
     return row
 
 
+_NORM_LAYERS = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm,
+                nn.modules.instancenorm._InstanceNorm)
+
+
+def param_groups(model: nn.Module, weight_decay: float,
+                 norm_weight_decay: float | None = None) -> list[dict[str, Any]]:
+    """The optimiser's parameter groups: one (every parameter at ``weight_decay``) unless
+    ``norm_weight_decay`` differs, then the normalisation layers' parameters
+    (:attr:`OptimConfig.norm_weight_decay`) in a second group after the others."""
+    params = list(model.parameters())
+    if norm_weight_decay is None or norm_weight_decay == weight_decay:
+        return [{"params": params}]
+    norm = {id(p) for m in model.modules() if isinstance(m, _NORM_LAYERS)
+            for p in m.parameters(recurse=False)}
+    groups = [{"params": [p for p in params if id(p) not in norm], "weight_decay": weight_decay},
+              {"params": [p for p in params if id(p) in norm],
+               "weight_decay": norm_weight_decay}]
+    return [g for g in groups if g["params"]]
+
+
 def make_scheduler(optimizer: torch.optim.Optimizer, run: RunConfig,
                    lr_values: tuple[float, ...] = ()):
     """The epoch schedule: ``lr`` decayed by ``lr_decay`` at each milestone, or with
@@ -821,8 +841,8 @@ class Engine:
                             in_channels=run.model.in_channels, pretrained=self.options.pretrained,
                             seed=run.seed + index).to(self.device)
         # the fused CUDA kernel: one launch for all parameters, the same update
-        optimizer = torch.optim.SGD(model.parameters(), lr=o.lr, momentum=o.momentum,
-                                    weight_decay=o.weight_decay,
+        optimizer = torch.optim.SGD(param_groups(model, o.weight_decay, o.norm_weight_decay),
+                                    lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay,
                                     fused=self.device.type == "cuda" or None)
         ema = None
         if o.ema_decay > 0:

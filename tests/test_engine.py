@@ -138,3 +138,29 @@ def test_update_average_follows_a_replaced_average_or_model():
     member.update_average(0.0)
     for a, p in zip(member.ema.parameters(), other.parameters()):
         torch.testing.assert_close(a, p)
+
+
+def test_norm_weight_decay_leaves_the_normalisation_layers_out_of_the_penalty():
+    """OptimConfig.norm_weight_decay: one parameter group (the old optimiser state layout)
+    unless it differs from weight_decay; then a step with zero gradients shrinks the other
+    weights by lr x weight_decay and the batch-norm scale and shift by lr x
+    norm_weight_decay."""
+    from pipeline.engine import param_groups
+    from pipeline.models import build_model
+
+    model = build_model("preact_resnet32", 10)
+    assert len(param_groups(model, 5e-4)) == 1 and len(param_groups(model, 5e-4, 5e-4)) == 1
+    groups = param_groups(model, 0.5, 0.0)
+    assert [g["weight_decay"] for g in groups] == [0.5, 0.0]
+    norm_ids = {id(p) for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)
+                for p in m.parameters()}
+    assert {id(p) for p in groups[1]["params"]} == norm_ids and norm_ids
+    assert len(groups[0]["params"]) + len(groups[1]["params"]) == len(list(model.parameters()))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.SGD(groups, lr=1.0, momentum=0.0, weight_decay=0.5)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    for n, p in model.named_parameters():
+        factor = 1.0 if id(p) in norm_ids else 0.5
+        torch.testing.assert_close(p.detach(), before[n] * factor, msg=n)

@@ -62,6 +62,23 @@ def test_weight_average_is_off_in_the_recipes_and_an_option_of_every_job():
         _configs(cifar_lccn, ["--data", "/x", "--ema-decay", "1"])
 
 
+def test_norm_weight_decay_is_an_option_of_every_job_and_reaches_the_optimiser():
+    from pipeline.engine import param_groups
+    from pipeline.models import build_model
+
+    _, run = _configs(cifar_lccn, ["--data", "/x"])
+    assert run.optim.norm_weight_decay is None
+    args, run = _configs(cifar_lccn, ["--data", "/x", "--norm-weight-decay", "0"])
+    assert run.optim.norm_weight_decay == 0.0 and "norm_weight_decay" in args.recipe_given
+    groups = param_groups(build_model(run.model.name, 10), run.optim.weight_decay,
+                          run.optim.norm_weight_decay)
+    assert [g["weight_decay"] for g in groups] == [run.optim.weight_decay, 0.0]
+    _, run = _configs(webvision_divide_lccn, ["--data", "/x", "--norm-weight-decay", "1e-5"])
+    assert run.optim.norm_weight_decay == 1e-5
+    with pytest.raises(ValueError, match="norm_weight_decay must be >= 0"):
+        _configs(cifar_lccn, ["--data", "/x", "--norm-weight-decay", "-1"])
+
+
 def test_collapse_val_drop_reaches_the_monitor():
     _, run = _configs(cifar_lccn, ["--data", "/x"])
     assert run.monitor.val_drop == 0.10 and not run.monitor.stop

@@ -526,3 +526,20 @@ def test_init_from_starts_a_fresh_run_from_another_runs_final_weights(tmp_path):
     torch.save(bad, tmp_path / "bad.pt")
     with pytest.raises(ValueError, match=r"bad\.pt: network 0 does not fit"):
         lccn(tmp_path / "bad.pt").engine.prepare()
+
+
+def test_every_member_of_a_run_takes_norm_weight_decay():
+    """OptimConfig.norm_weight_decay reaches the optimiser of each network a method trains
+    (DivideMix's two included); the default keeps the single parameter group."""
+    xtr, ytr, xte, yte = _digits()
+    view = pair_flip(ytr, 10, CIFAR10_ASYM_MAP, 0.4, seed=0)
+    for method, nwd, want in (("lccn", None, [5e-4]), ("lccn", 0.0, [5e-4, 0.0]),
+                              ("dividemix", 0.0, [5e-4, 0.0])):
+        cfg = replace(_short_cfg(), method=method,
+                      optim=replace(_short_cfg().optim, weight_decay=5e-4,
+                                    norm_weight_decay=nwd))
+        trainer = LocalTrainer(cfg, TensorData(xtr, view), TensorData(xte, clean_view(yte)))
+        members = trainer.engine.members
+        assert len(members) == (2 if method == "dividemix" else 1)
+        for m in members:
+            assert [g["weight_decay"] for g in m.optimizer.param_groups] == want, method
