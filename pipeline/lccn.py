@@ -130,6 +130,11 @@ class GibbsLabeler:
                       and self.k_latent <= HOST_MAX_LATENT)
         self._phi_host = (self.phi_init.to(torch.float64).contiguous().numpy()
                           if self._host else None)
+        # cfg.transition_every > 1: the refreshed transition (one buffer, updated in place,
+        # so a compiled step sees the same input) and the step it was taken at
+        self._phi_snap: Tensor | None = None
+        self._phi_snap_host = None
+        self._phi_snap_step = -1
         self.worker = worker
         self.seq = 0
         self.step_count = 0
@@ -177,6 +182,28 @@ class GibbsLabeler:
         mixed = probs.detach() * (1.0 - eps)
         mixed[:, -1] += eps
         return mixed
+
+    def transition(self, warm: bool) -> Tensor | None:
+        """The transition Eq. 7 reads in this step in place of the collapsed conditional:
+        ``phi_init`` during the warm-up; with ``cfg.transition_every`` n > 1,
+        ``(C + α) / rowsum`` of the replica as it was at the last refresh (taken every n
+        steps); None (the exact conditional of the current counts) otherwise."""
+        if warm:
+            return self.phi_init
+        n = self.cfg.transition_every
+        if n <= 1:
+            return None
+        if self._phi_snap is None or self.step_count - self._phi_snap_step >= n:
+            c = self.counts.to(torch.float64) + self.alpha.unsqueeze(0)
+            phi = c / c.sum(1, keepdim=True)
+            if self._phi_snap is None:
+                self._phi_snap = phi.contiguous()
+                if self._host:
+                    self._phi_snap_host = self._phi_snap.numpy()  # a view: follows copy_
+            else:
+                self._phi_snap.copy_(phi)
+            self._phi_snap_step = self.step_count
+        return self._phi_snap
 
     def prefetch(self, idx: Tensor) -> None:
         """Sync ``z`` of the first batch (and the replica) before the first :meth:`sample`.
@@ -284,6 +311,7 @@ class GibbsLabeler:
                                "commit(..., next_idx=idx) for this batch")
         z_old = self._pending[1]
         warm = self.step_count < self.cfg.warmup_steps
+        phi = self.transition(warm)
         probs = self.outlier_proposal(probs)
         counted = None
         if self.trusted is not None:
@@ -292,18 +320,18 @@ class GibbsLabeler:
         # gibbs_step, with the posterior kept: the same draws from the same generator
         dev = self.device
         if counted is None and self._draw is not None and self._draw_failed is None:
-            fast = self._sample_compiled(probs, observed, z_old, gamma, warm)
+            fast = self._sample_compiled(probs, observed, z_old, gamma, phi)
             if fast is not None:
                 z_new, post, changed = fast
                 return z_new, SampleStats(gamma, warm, self._staleness, changed, waited, post,
                                           self.ramp())
         if self._host:
-            return self._sample_host(probs, observed, idx, z_old, gamma, warm, counted, waited)
+            return self._sample_host(probs, observed, idx, z_old, gamma, warm, counted, waited,
+                                     phi)
         # host tensors (observed, z_old, counted) are range-checked where they are and then
         # copied; probs stay where the model put them when that is the replica's device
         post = gibbs_posterior(probs.detach().to(dev), observed.cpu(), z_old, self.counts,
-                               self.alpha, gamma=gamma, phi=self.phi_init if warm else None,
-                               counted=counted)
+                               self.alpha, gamma=gamma, phi=phi, counted=counted)
         z_new = sample_categorical(post, generator=self.generator)
         if counted is not None and self.clean is not None:
             counted_d = counted.to(dev, non_blocking=True)
@@ -321,8 +349,8 @@ class GibbsLabeler:
                                   self.ramp())
 
     def _sample_host(self, probs: Tensor, observed: Tensor, idx: Tensor, z_old: Tensor,
-                     gamma: float, warm: bool, counted: Tensor | None, waited: float
-                     ) -> tuple[Tensor, SampleStats]:
+                     gamma: float, warm: bool, counted: Tensor | None, waited: float,
+                     phi: Tensor | None = None) -> tuple[Tensor, SampleStats]:
         """The CPU path for up to ``HOST_MAX_LATENT`` latent classes: Eq. 7 and the draw in
         one compiled call on numpy views of the replica
         (:func:`~pipeline.sampler.gibbs_draw_host`), the uniforms from the labeler's
@@ -334,7 +362,8 @@ class GibbsLabeler:
         post, z_new, moved = gibbs_draw_host(
             probs.detach().cpu().numpy(), observed.cpu().numpy().astype(np.int64, copy=False),
             z_prev, self.counts.numpy(), self.alpha.numpy(), u.numpy(), gamma=gamma,
-            phi=self._phi_host if warm else None, counted=keep)
+            phi=(self._phi_host if warm else None if phi is None else self._phi_snap_host),
+            counted=keep)
         if keep is not None and self.clean is not None:
             fixed = ~keep   # trusted samples: their clean label, a one-hot posterior
             clean = self.clean[idx].numpy()[fixed]
@@ -348,9 +377,10 @@ class GibbsLabeler:
 
     def conditional(self, observed: Tensor, idx: Tensor) -> Tensor:
         """The conditional transition term the next :meth:`sample` of this batch uses,
-        ``(B, K_latent)`` float64 on the labeler's device: ``phi_init[:, observed]`` during
-        the warm-up, else :func:`~pipeline.sampler.conditional_transition` of the replica of
-        C with each sample's own count removed (DivideLCCN's co-refinement reads it).
+        ``(B, K_latent)`` float64 on the labeler's device: ``phi[:, observed]`` of
+        :meth:`transition` during the warm-up or between refreshes, else
+        :func:`~pipeline.sampler.conditional_transition` of the replica of C with each
+        sample's own count removed (DivideLCCN's co-refinement reads it).
         Needs the batch's z, like :meth:`sample`."""
         self._resolve()
         if self._pending is None or not torch.equal(self._pending[0], idx):
@@ -361,14 +391,15 @@ class GibbsLabeler:
             raise ValueError(f"observed labels must lie in [0, {self.num_classes}), got range "
                              f"[{int(obs.min())}, {int(obs.max())}]")
         obs = obs.to(self.device)
-        if self.step_count < self.cfg.warmup_steps:
-            return self.phi_init.T[obs].to(torch.float64)
+        phi = self.transition(self.step_count < self.cfg.warmup_steps)
+        if phi is not None:
+            return phi.T[obs].to(torch.float64)
         counted = None if self.trusted is None else (~self.trusted[idx]).to(self.device)
         return conditional_transition(obs, self._pending[1].to(self.device), self.counts,
                                       self.alpha, counted=counted)
 
     def _sample_compiled(self, probs: Tensor, observed: Tensor, z_old: Tensor, gamma: float,
-                         warm: bool) -> tuple[Tensor, Tensor, float | Tensor] | None:
+                         phi: Tensor | None) -> tuple[Tensor, Tensor, float | Tensor] | None:
         """The compiled device core (same law and, up to float reassociation, the same
         draws as the eager path); None after a compiler failure (warned once)."""
         dev = self.device
@@ -385,7 +416,7 @@ class GibbsLabeler:
         try:
             post, z_new, changed = self._draw(
                 probs.detach().to(dev), obs_d, z_old_d, self.counts, self.alpha,
-                self._gamma[1], u, self.phi_init if warm else None)
+                self._gamma[1], u, phi)
         except Exception as exc:  # the compiler stack raises many types
             import warnings
             self._draw_failed = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
