@@ -135,8 +135,8 @@ def get_args_parser() -> argparse.ArgumentParser:
                    default=_LCCN_DEFAULTS.targets)
     p.add_argument("--init", choices=["argmax", "observed"], default=_LCCN_DEFAULTS.init)
     p.add_argument("--ramp-epochs", type=float, default=_LCCN_DEFAULTS.ramp_epochs)
-    p.add_argument("--transition-every", type=int, default=_LCCN_DEFAULTS.transition_every,
-                   help="LCCNConfig.transition_every (the paper's code: 200)")
+    p.add_argument("--refresh-steps", type=int, default=_LCCN_DEFAULTS.refresh_steps,
+                   help="LCCNConfig.refresh_steps (the paper's code: 200)")
     p.add_argument("--methods", nargs="+", choices=["ce", "lccn"], default=["ce", "lccn"])
     p.add_argument("--time-epoch", action="store_true",
                    help="time one CE epoch (+ validation and test passes), then exit")
@@ -192,7 +192,7 @@ def run_config(args: argparse.Namespace, method: str, seed: int, steps_per_epoch
         perf=PerfConfig(compile=args.compile),
         lccn=LCCNConfig(alpha=args.alpha, warmup_steps=warm, warmup=args.warmup,
                         targets=args.targets, init=args.init,
-                        ramp_epochs=args.ramp_epochs, transition_every=args.transition_every))
+                        ramp_epochs=args.ramp_epochs, refresh_steps=args.refresh_steps))
 
 
 # -- runs ------------------------------------------------------------------------------------

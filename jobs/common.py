@@ -349,9 +349,9 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
     m.add_argument("--ramp-epochs", type=float, default=None,
                    help="epochs at the start of the LCCN phase over which the LCCN target's "
                         "weight rises from 0 to 1 (LCCNConfig.ramp_epochs; 0 = the paper)")
-    m.add_argument("--transition-every", type=int, default=LCCNConfig.transition_every,
+    m.add_argument("--refresh-steps", type=int, default=LCCNConfig.refresh_steps,
                    help="after the warm-up, sample against (C + alpha) / rowsum refreshed "
-                        "every this many LCCN steps (LCCNConfig.transition_every; 1: the "
+                        "every this many LCCN steps (LCCNConfig.refresh_steps; 1: the "
                         "exact Eq. 7 conditional at every step; the paper's code: 200)")
     m.add_argument("--commit-every", type=int, default=LCCNConfig.commit_every,
                    help="each worker sends its sampled labels to the confusion actor once "
@@ -453,7 +453,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
                         outlier=args.outlier, outlier_prior=getattr(args, "outlier_prior", 0.0),
                         use_trusted=uses_trusted(args),
                         commit_every=args.commit_every,
-                        transition_every=args.transition_every,
+                        refresh_steps=args.refresh_steps,
                         report_epochs=getattr(args, "report_epochs", LCCNConfig.report_epochs)),
         baseline=baseline_config(args),
         monitor=MonitorConfig(stop=args.stop_on_collapse, val_drop=args.collapse_val_drop),

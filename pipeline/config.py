@@ -75,15 +75,16 @@ class LCCNConfig:
         p(outlier), the Eq. 7 posterior of the outlier class averaged over its draws in the
         last ``outlier_epochs`` epochs, is exported (``outliers.csv``) with a flag
         ``p(outlier) > outlier_threshold``.
-    transition_every: after the warm-up, Eq. 7's transition term is the exact collapsed
+    refresh_steps: after the warm-up, Eq. 7's transition term is the exact collapsed
         conditional ``(α_j + C¬[k, j]) / Σ_j' (α_j' + C¬[k, j'])`` of the current counts,
         the sample's own count removed, at every step (1, default). With n > 1 it is
         ``φ = (C + α) / rowsum`` of the counts as they were at the last refresh, refreshed
         every n LCCN steps, as in the paper's code (``freq_trans = 200``): the classifier
         then samples against a transition that does not follow its last few hundred draws,
         which damps the loop of a chain chasing its own recent moves (one more option of the
-        paper's protocol; not measured to help here, so off). The refresh point restarts at
-        a resumed run's first step.
+        paper's protocol; not measured here, so off). DivideLCCN's co-refinement reads the
+        same transition; its division loss keeps the current counts. The refresh point
+        restarts at a resumed run's first step.
     use_trusted: LCCN+, trusted samples train on their clean label and are never counted.
     commit_every: a worker sends its sampled labels to the store once every this many
         steps, in one call (1: one call per step). Its own moves reach its replica of C at
@@ -116,7 +117,7 @@ class LCCNConfig:
     outlier_epochs: int = 2
     outlier_threshold: float = 0.5
     use_trusted: bool = False
-    transition_every: int = 1
+    refresh_steps: int = 1
     commit_every: int = 8
     report_epochs: int = 5
 
@@ -153,10 +154,10 @@ class LCCNConfig:
         if not 0 < self.outlier_threshold < 1:
             raise ValueError(f"outlier_threshold must lie in (0, 1), got "
                              f"{self.outlier_threshold}")
-        if isinstance(self.transition_every, bool) \
-                or not isinstance(self.transition_every, int) or self.transition_every < 1:
-            raise ValueError(f"transition_every must be an integer >= 1, got "
-                             f"{self.transition_every!r}")
+        if isinstance(self.refresh_steps, bool) \
+                or not isinstance(self.refresh_steps, int) or self.refresh_steps < 1:
+            raise ValueError(f"refresh_steps must be an integer >= 1, got "
+                             f"{self.refresh_steps!r}")
         if isinstance(self.commit_every, bool) or not isinstance(self.commit_every, int) \
                 or self.commit_every < 1:
             raise ValueError(f"commit_every must be an integer >= 1, got {self.commit_every!r}")
@@ -234,9 +235,11 @@ class OptimConfig:
     norm_weight_decay: the weight decay of the normalisation layers' parameters (batch-norm
         scale and shift, and those of group-, layer- and instance-norm); None (default):
         ``weight_decay``, as every other parameter. The paper's CIFAR code leaves them out of
-        its L2 penalty (0.0), as do many CIFAR and ImageNet recipes: the scale of a layer
-        followed by a normalisation does not change what the network computes, so decaying
-        it only shrinks the outputs the next layer sees.
+        its L2 penalty (0.0), as do many CIFAR and ImageNet recipes: these few parameters
+        set each channel's scale and offset directly, and decaying them pulls every channel
+        toward zero output rather than regularising what the network computes. A resumed run
+        must keep the value it was started with (the checkpoint's optimiser state holds the
+        groups).
     """
 
     epochs: int = 30

@@ -130,7 +130,7 @@ class GibbsLabeler:
                       and self.k_latent <= HOST_MAX_LATENT)
         self._phi_host = (self.phi_init.to(torch.float64).contiguous().numpy()
                           if self._host else None)
-        # cfg.transition_every > 1: the refreshed transition (one buffer, updated in place,
+        # cfg.refresh_steps > 1: the refreshed transition (one buffer, updated in place,
         # so a compiled step sees the same input) and the step it was taken at
         self._phi_snap: Tensor | None = None
         self._phi_snap_host = None
@@ -185,12 +185,12 @@ class GibbsLabeler:
 
     def transition(self, warm: bool) -> Tensor | None:
         """The transition Eq. 7 reads in this step in place of the collapsed conditional:
-        ``phi_init`` during the warm-up; with ``cfg.transition_every`` n > 1,
+        ``phi_init`` during the warm-up; with ``cfg.refresh_steps`` n > 1,
         ``(C + α) / rowsum`` of the replica as it was at the last refresh (taken every n
         steps); None (the exact conditional of the current counts) otherwise."""
         if warm:
             return self.phi_init
-        n = self.cfg.transition_every
+        n = self.cfg.refresh_steps
         if n <= 1:
             return None
         if self._phi_snap is None or self.step_count - self._phi_snap_step >= n:
@@ -378,7 +378,8 @@ class GibbsLabeler:
     def conditional(self, observed: Tensor, idx: Tensor) -> Tensor:
         """The conditional transition term the next :meth:`sample` of this batch uses,
         ``(B, K_latent)`` float64 on the labeler's device: ``phi[:, observed]`` of
-        :meth:`transition` during the warm-up or between refreshes, else
+        :meth:`transition` during the warm-up and, with ``cfg.refresh_steps`` > 1, after it;
+        else
         :func:`~pipeline.sampler.conditional_transition` of the replica of C with each
         sample's own count removed (DivideLCCN's co-refinement reads it).
         Needs the batch's z, like :meth:`sample`."""

@@ -209,13 +209,16 @@ def test_labels_out_of_range_are_named():
         store.commit(torch.tensor([7]), torch.tensor([0]))
 
 
-@pytest.mark.parametrize("host", [True, False])
-def test_transition_every_samples_against_the_counts_of_the_last_refresh(host):
-    """LCCNConfig.transition_every = n: after the warm-up Eq. 7 reads
+@pytest.mark.parametrize("path", ["host", "tensor", "device_core"])
+def test_refresh_steps_samples_against_the_counts_of_the_last_refresh(path):
+    """LCCNConfig.refresh_steps = n: after the warm-up Eq. 7 reads
     phi = (C + alpha) / rowsum of the counts at the last refresh, taken at the first step
     after the warm-up and every n steps after it (the paper's code's freq_trans), not the
-    current counts; conditional() reads the same phi. Both CPU paths (the compiled host
-    kernel and the tensor one)."""
+    current counts; conditional() reads the same phi. The three paths: the compiled host
+    kernel, the tensor one and the device core (what torch.compile captures, run eagerly
+    here). A labeler made again mid-run (a resume) refreshes at its first step."""
+    from pipeline.sampler import gibbs_draw
+
     gen = torch.Generator().manual_seed(5)
     k, n, warm, every, alpha = 4, 600, 2, 3, 0.5
     y = torch.randint(0, k, (n,), generator=gen)
@@ -223,32 +226,42 @@ def test_transition_every_samples_against_the_counts_of_the_last_refresh(host):
                                                                         generator=gen), y)
     probs = torch.softmax(torch.randn(n, k, generator=gen, dtype=torch.float64) * 2, 1)
     store = ConfusionStore(obs, initial_assignment(obs, mode="observed"), k, k)
-    labeler = GibbsLabeler(LCCNConfig(alpha=alpha, warmup_steps=warm, transition_every=every,
-                                      commit_every=1),
-                           store, store.counts, store.version, phi_init=smoothed_identity(k, k),
-                           max_steps=1, generator=gen)
-    labeler._host = labeler._host and host
+    cfg = LCCNConfig(alpha=alpha, warmup_steps=warm, refresh_steps=every, commit_every=1)
+
+    def make(step_count=0):
+        lab = GibbsLabeler(cfg, store, store.counts, store.version,
+                           phi_init=smoothed_identity(k, k), max_steps=1, generator=gen)
+        lab._host = lab._host and path == "host"
+        if path == "device_core":
+            lab._draw = gibbs_draw
+        lab.step_count = step_count
+        return lab
+
+    labeler = make()
     batches = list(torch.randperm(n, generator=gen).split(50))
     labeler.prefetch(batches[0])
-    phi, refreshed = None, []
+    phi, taken = None, []
     for s, (b, nxt) in enumerate(zip(batches, batches[1:] + [None])):
-        before = store.counts.to(torch.float64).clone()
-        if s >= warm and (s - warm) % every == 0:
-            phi = (before + alpha) / (before + alpha).sum(1, keepdim=True)
-            refreshed.append(s)
+        if s == 7:  # a resume: a new labeler continues the step count
+            labeler = make(step_count=s)
+            labeler.prefetch(b)
+        now = store.counts.to(torch.float64)
+        current = (now + alpha) / (now + alpha).sum(1, keepdim=True)
+        if s >= warm and ((s - warm) % every == 0 or s == 7):
+            phi = current
         cond = labeler.conditional(obs[b], b)
         z, stats = labeler.sample(probs[b], obs[b], b)
         if s < warm:
             expect_cond = smoothed_identity(k, k).T[obs[b]]
         else:
             expect_cond = phi.T[obs[b]]
-            assert not torch.equal(phi, (before + alpha) / (before + alpha).sum(1, keepdim=True)) \
-                or s in refreshed  # between refreshes the counts have moved on
+            taken.append(labeler._phi_snap_step)
         torch.testing.assert_close(cond, expect_cond)
         expect = probs[b] * expect_cond
-        torch.testing.assert_close(stats.posterior, expect / expect.sum(1, keepdim=True))
+        torch.testing.assert_close(stats.posterior.cpu(), expect / expect.sum(1, keepdim=True))
         labeler.commit(b, z, nxt)
-    assert refreshed == [2, 5, 8, 11]
+    # refreshed at 2, 5 and (the resume) 7, 10; the counts moved in between
+    assert sorted(set(taken)) == [2, 5, 7, 10]
     store.check()
-    with pytest.raises(ValueError, match="transition_every must be an integer >= 1"):
-        LCCNConfig(transition_every=0)
+    with pytest.raises(ValueError, match="refresh_steps must be an integer >= 1"):
+        LCCNConfig(refresh_steps=0)

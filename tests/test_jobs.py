@@ -79,13 +79,13 @@ def test_norm_weight_decay_is_an_option_of_every_job_and_reaches_the_optimiser()
         _configs(cifar_lccn, ["--data", "/x", "--norm-weight-decay", "-1"])
 
 
-def test_transition_every_is_an_option_of_the_lccn_jobs():
+def test_refresh_steps_is_an_option_of_the_lccn_jobs():
     _, run = _configs(cifar_lccn, ["--data", "/x"])
-    assert run.lccn.transition_every == 1
-    _, run = _configs(cifar_lccn, ["--data", "/x", "--transition-every", "200"])
-    assert run.lccn.transition_every == 200
-    with pytest.raises(ValueError, match="transition_every must be an integer >= 1"):
-        _configs(cifar_lccn, ["--data", "/x", "--transition-every", "0"])
+    assert run.lccn.refresh_steps == 1
+    _, run = _configs(cifar_lccn, ["--data", "/x", "--refresh-steps", "200"])
+    assert run.lccn.refresh_steps == 200
+    with pytest.raises(ValueError, match="refresh_steps must be an integer >= 1"):
+        _configs(cifar_lccn, ["--data", "/x", "--refresh-steps", "0"])
 
 
 def test_collapse_val_drop_reaches_the_monitor():

@@ -26,7 +26,8 @@ DivideLCCN gives each network its own LCCN chain (its own store: an engine
 :class:`~pipeline.engine.ChainSet` of two chains) and labeler: in every batch network k's
 labeler Gibbs-samples z for all rows from network k's averaged prediction and commits
 it, and the labelled rows' targets are ``co_refine_lccn`` with the conditional transition
-of that chain (own count removed: the same conditional the draw uses).
+of that chain (the same conditional the draw uses: own count removed, or the refreshed
+transition with ``LCCNConfig.refresh_steps`` > 1).
 """
 
 from __future__ import annotations
@@ -491,7 +492,8 @@ class DivideLCCN(DivideMix):
         """Network k's chain steps on the whole batch (the Gibbs draw of z from ``p_bar``
         and the chain's conditional, committed with the next batch's idx), and the
         labelled rows' targets are ``co_refine_lccn(onehot(observed), p_bar, cond, w, T)``
-        with ``cond`` that conditional (own count removed), read before the draw."""
+        with ``cond`` that conditional (:meth:`GibbsLabeler.conditional`), read before the
+        draw."""
         lab_k = self.labelers[k]
         if not self._prefetched[k]:  # the pass's first batch
             lab_k.prefetch(b.idx)
