@@ -251,8 +251,8 @@ class Member:
     eval_model: nn.Module | None = None
     ema: nn.Module | None = None
     ema_eval: nn.Module | None = None
-    # the tensor lists update_average works on, built once per (model, ema) pair: walking the
-    # module tree for them each step costs more than the fused update itself
+    # the tensor lists update_average works on, built once per (model, ema) pair of modules:
+    # walking the module tree for them each step costs more than the fused update itself
     _average_lists: tuple | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -267,12 +267,12 @@ class Member:
         the buffers (batch-norm statistics) are copied."""
         if self.ema is None:
             return
-        key = (id(self.model), id(self.ema))
-        if self._average_lists is None or self._average_lists[0] != key:
-            self._average_lists = (key, list(self.ema.parameters()),
-                                   list(self.model.parameters()), list(self.ema.buffers()),
-                                   list(self.model.buffers()))
-        _, avg, live, avg_bufs, live_bufs = self._average_lists
+        cached = self._average_lists
+        if cached is None or cached[0] is not self.model or cached[1] is not self.ema:
+            cached = self._average_lists = (
+                self.model, self.ema, list(self.ema.parameters()), list(self.model.parameters()),
+                list(self.ema.buffers()), list(self.model.buffers()))
+        _, _, avg, live, avg_bufs, live_bufs = cached
         torch._foreach_lerp_(avg, live, 1.0 - decay)
         if avg_bufs:
             torch._foreach_copy_(avg_bufs, live_bufs)
@@ -959,7 +959,16 @@ class Engine:
         emas = state.get("emas") or [None] * len(models)
         for m, ms, os_, ss, es in zip(self.members, models, optimizers, schedulers, emas):
             m.model.load_state_dict(ms)
+            ours = [g["weight_decay"] for g in m.optimizer.param_groups]
+            if len(os_["param_groups"]) != len(ours):
+                raise ValueError(
+                    f"checkpoint's optimiser has {len(os_['param_groups'])} parameter "
+                    f"group(s), this run's {len(ours)}: was it started with another "
+                    f"norm_weight_decay (--norm-weight-decay; this run: "
+                    f"{self.run.optim.norm_weight_decay})?")
             m.optimizer.load_state_dict(os_)
+            for g, wd in zip(m.optimizer.param_groups, ours):  # the run's config decides
+                g["weight_decay"] = wd
             m.scheduler.load_state_dict(ss)
             if m.ema is not None:  # a checkpoint of a run without the average: its weights
                 m.ema.load_state_dict(es if es is not None else ms)

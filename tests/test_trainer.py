@@ -543,3 +543,28 @@ def test_every_member_of_a_run_takes_norm_weight_decay():
         assert len(members) == (2 if method == "dividemix" else 1)
         for m in members:
             assert [g["weight_decay"] for g in m.optimizer.param_groups] == want, method
+
+
+def test_a_resume_keeps_the_runs_weight_decay_and_names_a_changed_norm_weight_decay():
+    """A checkpoint written with one parameter group does not load into a run with
+    norm_weight_decay set (two groups): a clear error naming the option, not torch's; with
+    the same groups the run's own decay values win over the checkpoint's."""
+    xtr, ytr, xte, yte = _digits()
+    view = pair_flip(ytr, 10, CIFAR10_ASYM_MAP, 0.4, seed=0)
+    base = _short_cfg()
+    cfg = replace(base, optim=replace(base.optim, epochs=1, pretrain_epochs=1))
+    session = _KeepCheckpoints()
+    LocalTrainer(cfg, TensorData(xtr, view), TensorData(xte, clean_view(yte)),
+                 session=session).fit()
+    first = session.states[0]
+    changed = replace(cfg, optim=replace(cfg.optim, epochs=2, norm_weight_decay=0.0))
+    resumed = LocalTrainer(changed, TensorData(xtr, view), TensorData(xte, clean_view(yte)),
+                           session=_KeepCheckpoints(resume=first))
+    with pytest.raises(ValueError, match="norm_weight_decay"):
+        resumed.engine.prepare()
+    other = replace(cfg, optim=replace(cfg.optim, epochs=2, weight_decay=1e-3))
+    resumed = LocalTrainer(other, TensorData(xtr, view), TensorData(xte, clean_view(yte)),
+                           session=_KeepCheckpoints(resume=first))
+    resumed.engine.prepare()
+    assert resumed.engine.start_epoch == 1
+    assert [g["weight_decay"] for g in resumed.engine.members[0].optimizer.param_groups] == [1e-3]
