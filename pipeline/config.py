@@ -82,7 +82,8 @@ class LCCNConfig:
         every n LCCN steps, as in the paper's code (``freq_trans = 200``): the classifier
         then samples against a transition that does not follow its last few hundred draws,
         which damps the loop of a chain chasing its own recent moves (one more option of the
-        paper's protocol; not measured here, so off). DivideLCCN's co-refinement reads the
+        paper's protocol; on the CPU benchmark within a few tenths of a point of the exact
+        conditional, benchmarks/results/cifar.md, so off). DivideLCCN's co-refinement reads the
         same transition; its division loss keeps the current counts. The refresh point
         restarts at a resumed run's first step.
     use_trusted: LCCN+, trusted samples train on their clean label and are never counted.
