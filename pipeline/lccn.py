@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from pipeline.config import LCCNConfig
-from pipeline.confusion import apply_delta_, apply_moves_host, as_alpha
+from pipeline.confusion import apply_delta_, apply_moves_host, as_alpha, transition
 from pipeline.confusion_store import Sync
 from pipeline.fastpath import to_device
 from pipeline.sampler import (HOST_MAX_LATENT, anneal_gamma, check_range,
@@ -100,7 +100,7 @@ class GibbsLabeler:
         self.version = version
         self.k_latent, self.num_classes = counts.shape
         self.alpha = as_alpha(cfg.alpha, self.num_classes).to(dev)
-        self.phi_init = phi_init.to(dev)
+        self.phi_init = phi_init.to(dev, torch.float64).contiguous()
         self.max_steps = max(1, max_steps)
         self.steps_per_epoch = max(1, steps_per_epoch if steps_per_epoch is not None
                                    else max_steps)
@@ -128,12 +128,8 @@ class GibbsLabeler:
         # the CPU fast path: one compiled call per batch (pipeline.sampler.gibbs_draw_host)
         self._host = (dev.type == "cpu" and host_kernel and self.counts.dtype == torch.int64
                       and self.k_latent <= HOST_MAX_LATENT)
-        self._phi_host = (self.phi_init.to(torch.float64).contiguous().numpy()
-                          if self._host else None)
-        # cfg.refresh_steps > 1: the refreshed transition (one buffer, updated in place,
-        # so a compiled step sees the same input) and the step it was taken at
+        # cfg.refresh_steps > 1: the refreshed transition and the step it was taken at
         self._phi_snap: Tensor | None = None
-        self._phi_snap_host = None
         self._phi_snap_step = -1
         self.worker = worker
         self.seq = 0
@@ -194,14 +190,7 @@ class GibbsLabeler:
         if n <= 1:
             return None
         if self._phi_snap is None or self.step_count - self._phi_snap_step >= n:
-            c = self.counts.to(torch.float64) + self.alpha.unsqueeze(0)
-            phi = c / c.sum(1, keepdim=True)
-            if self._phi_snap is None:
-                self._phi_snap = phi.contiguous()
-                if self._host:
-                    self._phi_snap_host = self._phi_snap.numpy()  # a view: follows copy_
-            else:
-                self._phi_snap.copy_(phi)
+            self._phi_snap = transition(self.counts, self.alpha)
             self._phi_snap_step = self.step_count
         return self._phi_snap
 
@@ -362,8 +351,7 @@ class GibbsLabeler:
         post, z_new, moved = gibbs_draw_host(
             probs.detach().cpu().numpy(), observed.cpu().numpy().astype(np.int64, copy=False),
             z_prev, self.counts.numpy(), self.alpha.numpy(), u.numpy(), gamma=gamma,
-            phi=(self._phi_host if warm else None if phi is None else self._phi_snap_host),
-            counted=keep)
+            phi=None if phi is None else phi.numpy(), counted=keep)
         if keep is not None and self.clean is not None:
             fixed = ~keep   # trusted samples: their clean label, a one-hot posterior
             clean = self.clean[idx].numpy()[fixed]
@@ -379,8 +367,7 @@ class GibbsLabeler:
         """The conditional transition term the next :meth:`sample` of this batch uses,
         ``(B, K_latent)`` float64 on the labeler's device: ``phi[:, observed]`` of
         :meth:`transition` during the warm-up and, with ``cfg.refresh_steps`` > 1, after it;
-        else
-        :func:`~pipeline.sampler.conditional_transition` of the replica of C with each
+        else :func:`~pipeline.sampler.conditional_transition` of the replica of C with each
         sample's own count removed (DivideLCCN's co-refinement reads it).
         Needs the batch's z, like :meth:`sample`."""
         self._resolve()
@@ -394,7 +381,7 @@ class GibbsLabeler:
         obs = obs.to(self.device)
         phi = self.transition(self.step_count < self.cfg.warmup_steps)
         if phi is not None:
-            return phi.T[obs].to(torch.float64)
+            return phi.T[obs]
         counted = None if self.trusted is None else (~self.trusted[idx]).to(self.device)
         return conditional_transition(obs, self._pending[1].to(self.device), self.counts,
                                       self.alpha, counted=counted)
