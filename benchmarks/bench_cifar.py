@@ -40,11 +40,12 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -56,6 +57,7 @@ from pipeline.labels import LabelView  # noqa: E402
 from pipeline.noise import (asymmetric_cifar10, clean_view, format_transition,  # noqa: E402
                             instance_dependent, symmetric)
 from pipeline.trainer import LocalTrainer, TensorData, select_epoch  # noqa: E402
+from pipeline.transforms import PerImageStandardize  # noqa: E402
 
 SETTINGS = {
     "asym0.5": ("asymmetric", 0.5),
@@ -103,6 +105,15 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="weight decay of the batch-norm parameters "
                         "(OptimConfig.norm_weight_decay; the paper's code: 0); default: 5e-4 "
                         "as the other weights")
+    p.add_argument("--bn-momentum", type=float, default=None,
+                   help="momentum of the batch-norm running statistics, PyTorch's convention "
+                        "(ModelConfig.bn_momentum; the paper's code's decay 0.997 is 0.003); "
+                        "default: PyTorch's 0.1")
+    p.add_argument("--normalise", choices=["channel", "image"], default="channel",
+                   help="channel: each channel by the training subset's mean and deviation, "
+                        "once, before augmentation; image: each image by its own mean and "
+                        "deviation after augmentation (tf.image.per_image_standardization, "
+                        "the paper's code and the jobs' cifar preset; uint8 in memory)")
     p.add_argument("--restart", action="store_true",
                    help="the paper's code's protocol: LCCN starts from CE's final weights "
                         "(after all --epochs; fresh momentum) and runs the whole schedule "
@@ -150,7 +161,23 @@ def get_args_parser() -> argparse.ArgumentParser:
 # -- data ------------------------------------------------------------------------------------
 
 
-def load_data(args: argparse.Namespace):
+@dataclass(frozen=True)
+class Cifar:
+    """The benchmark's images and labels. ``features``: the channel-normalised training
+    images, flattened, whatever ``--normalise`` (the instance-dependent view draws its
+    flips from them, so the label views do not depend on the option); ``normalize``: the
+    module the networks apply to uint8 batches (``--normalise image``), else None."""
+
+    train_x: torch.Tensor
+    train_y: np.ndarray
+    test_x: torch.Tensor
+    test_y: np.ndarray
+    aug: RandomCropFlip
+    features: torch.Tensor
+    normalize: nn.Module | None
+
+
+def load_data(args: argparse.Namespace) -> Cifar:
     tar = args.data / "cifar10-jpeg.tar.gz"
     t0 = time.perf_counter()
     arrays = load_cifar10(tar, cache_dir=args.cache)
@@ -159,23 +186,29 @@ def load_data(args: argparse.Namespace):
     if keep.size != 10 * per:
         raise ValueError(f"--train-size {args.train_size}: CIFAR-10 has 5,000 per class")
     mean, std = channel_stats(arrays.train_x[keep])
-    train_x = normalise(arrays.train_x[keep], mean, std)
-    test_x = normalise(arrays.test_x, mean, std)
-    aug = RandomCropFlip(padding=4, fill=-mean / std)
+    features = normalise(arrays.train_x[keep], mean, std)
+    if args.normalise == "image":  # pad with black, crop, flip, then standardise each image
+        train_x = torch.from_numpy(np.ascontiguousarray(arrays.train_x[keep]))
+        test_x = torch.from_numpy(np.ascontiguousarray(arrays.test_x))
+        aug, norm = RandomCropFlip(padding=4, fill=0.0), PerImageStandardize()
+    else:
+        train_x, test_x = features, normalise(arrays.test_x, mean, std)
+        aug, norm = RandomCropFlip(padding=4, fill=-mean / std), None
     print(f"loaded CIFAR-10 from {tar} in {time.perf_counter() - t0:.1f}s: train subset "
-          f"{tuple(train_x.shape)} (first {per} of each class), test {tuple(test_x.shape)}",
-          flush=True)
-    return train_x, arrays.train_y[keep], test_x, arrays.test_y, aug
+          f"{tuple(train_x.shape)} (first {per} of each class), test {tuple(test_x.shape)}, "
+          f"normalised per {args.normalise}", flush=True)
+    return Cifar(train_x, arrays.train_y[keep], test_x, arrays.test_y, aug,
+                 features.reshape(len(keep), -1), norm)
 
 
-def noisy_view(name: str, clean: np.ndarray, images: torch.Tensor, seed: int) -> LabelView:
+def noisy_view(name: str, clean: np.ndarray, features: torch.Tensor, seed: int) -> LabelView:
     kind, rate = SETTINGS[name]
     if kind == "asymmetric":
         return asymmetric_cifar10(clean, rate, seed=seed)
     if kind == "symmetric":
         return symmetric(clean, 10, rate, include_true=True, seed=seed)
     # Xia et al. draw the flips from the flattened normalised images
-    return instance_dependent(clean, images.reshape(len(clean), -1).numpy(), 10, rate,
+    return instance_dependent(clean, features.reshape(len(clean), -1).numpy(), 10, rate,
                               seed=seed)
 
 
@@ -183,7 +216,8 @@ def run_config(args: argparse.Namespace, method: str, seed: int, steps_per_epoch
                ) -> RunConfig:
     warm = steps_per_epoch if args.warmup_steps is None else args.warmup_steps
     return RunConfig(
-        method=method, seed=seed, model=ModelConfig(args.model, in_channels=3),
+        method=method, seed=seed,
+        model=ModelConfig(args.model, in_channels=3, bn_momentum=args.bn_momentum),
         val_fraction=args.val_fraction,
         optim=OptimConfig(epochs=args.epochs, pretrain_epochs=args.pretrain_epochs,
                           batch_size=args.batch_size, lr=args.lr, momentum=0.9,
@@ -242,7 +276,8 @@ def _set_schedule(args: argparse.Namespace, trainer: LocalTrainer, *, offset: in
 
 
 def fit_pair(args: argparse.Namespace, cfg_ce: RunConfig, cfg_lccn: RunConfig,
-             train: TensorData, test: TensorData) -> dict:
+             train: TensorData, test: TensorData, *, normalize: nn.Module | None = None
+             ) -> dict:
     """CE for all epochs; LCCN continuing from CE's state after the pre-training.
 
     LCCN's pre-training is plain CE on the same labels from the same seed, identical to
@@ -274,7 +309,7 @@ def fit_pair(args: argparse.Namespace, cfg_ce: RunConfig, cfg_lccn: RunConfig,
     else:
         if "ce" not in args.methods:  # only the pre-training of CE is needed
             cfg_ce = replace(cfg_ce, optim=replace(cfg_ce.optim, epochs=p))
-        ce = LocalTrainer(cfg_ce, train, test, device=args.device)
+        ce = LocalTrainer(cfg_ce, train, test, device=args.device, normalize=normalize)
         _set_schedule(args, ce, offset=0)
         show_ce = _show("ce", e_total)
         t0 = time.perf_counter()
@@ -289,6 +324,7 @@ def fit_pair(args: argparse.Namespace, cfg_ce: RunConfig, cfg_lccn: RunConfig,
                 snap["gen"] = ce.gen.get_state()
                 snap["t"] = time.perf_counter() - t0
                 snap["global_step"] = ce.engine.global_step
+                snap["lr"] = r["lr"]  # the rate the state was last trained at
                 ema = ce.engine.members[0].ema
                 snap["ema"] = copy.deepcopy(ema.state_dict()) if ema is not None else None
                 if args.pretrain_out is not None:
@@ -309,9 +345,11 @@ def fit_pair(args: argparse.Namespace, cfg_ce: RunConfig, cfg_lccn: RunConfig,
                                               pretrain_epochs=0,
                                               milestones=tuple(m - p for m in args.milestones)))
     t1 = time.perf_counter()
-    lc = LocalTrainer(cfg, train, test, device=args.device)
+    lc = LocalTrainer(cfg, train, test, device=args.device, normalize=normalize)
     _set_schedule(args, lc, offset=0 if args.restart else p)
     lc.model.load_state_dict(snap["model"])
+    # the collapse monitor compares validation accuracy at rates up to this one
+    lc.engine.init_lr = snap.get("lr")
     if not args.restart:  # the same run continued: momentum and the step count go on
         lc.optimizer.load_state_dict(snap["optim"])
         lc.engine.global_step = snap["global_step"]
@@ -359,6 +397,7 @@ def _run_key(args: argparse.Namespace) -> dict:
             "lr_values": list(args.lr_values), "milestones": list(args.milestones),
             "batch_size": args.batch_size, "val_fraction": args.val_fraction,
             "ema_decay": args.ema_decay, "norm_weight_decay": args.norm_weight_decay,
+            "bn_momentum": args.bn_momentum, "normalise": args.normalise,
             "restart": args.restart}
 
 
@@ -396,11 +435,10 @@ def summarise(entry: dict, start: int = 0) -> dict:
             "label_recovery": hist[-1]["label_recovery"]}
 
 
-def run_one(args: argparse.Namespace, name: str, seed: int, data) -> dict:
-    train_x, train_y, test_x, test_y, aug = data
-    view = noisy_view(name, train_y, train_x, seed)
-    train = TensorData(train_x, view, augment=aug)
-    test = TensorData(test_x, clean_view(test_y, 10))
+def run_one(args: argparse.Namespace, name: str, seed: int, data: Cifar) -> dict:
+    view = noisy_view(name, data.train_y, data.features, seed)
+    train = TensorData(data.train_x, view, augment=data.aug)
+    test = TensorData(data.test_x, clean_view(data.test_y, 10))
     n_train = len(train) - int(round(args.val_fraction * len(train)))
     steps = -(-n_train // args.batch_size)
     cfg_ce, cfg_lccn = (run_config(args, m, seed, steps) for m in ("ce", "lccn"))
@@ -413,7 +451,7 @@ def run_one(args: argparse.Namespace, name: str, seed: int, data) -> dict:
               "realised_noise_rate": view.noise_rate(), "true_transition": view.transition.tolist(),
               "load_avg_start": os.getloadavg(), "threads": torch.get_num_threads()}
     t0 = time.perf_counter()
-    result["methods"] = fit_pair(args, cfg_ce, cfg_lccn, train, test)
+    result["methods"] = fit_pair(args, cfg_ce, cfg_lccn, train, test, normalize=data.normalize)
     result["wall_s"] = time.perf_counter() - t0
     result["load_avg_end"] = os.getloadavg()
     for m, entry in result["methods"].items():
@@ -430,13 +468,13 @@ def run_one(args: argparse.Namespace, name: str, seed: int, data) -> dict:
     return result
 
 
-def time_epoch(args: argparse.Namespace, data) -> None:
-    train_x, train_y, test_x, test_y, aug = data
-    view = noisy_view("asym0.5", train_y, train_x, 0)
+def time_epoch(args: argparse.Namespace, data: Cifar) -> None:
+    view = noisy_view("asym0.5", data.train_y, data.features, 0)
     cfg = replace(run_config(args, "ce", 0, 1), optim=replace(
         run_config(args, "ce", 0, 1).optim, epochs=1, pretrain_epochs=1, milestones=()))
-    trainer = LocalTrainer(cfg, TensorData(train_x, view, augment=aug),
-                           TensorData(test_x, clean_view(test_y, 10)))
+    trainer = LocalTrainer(cfg, TensorData(data.train_x, view, augment=data.aug),
+                           TensorData(data.test_x, clean_view(data.test_y, 10)),
+                           normalize=data.normalize)
     hist = trainer.fit()
     per = hist[0]["epoch_time"]
     cost = (2 * args.epochs - args.pretrain_epochs) * per

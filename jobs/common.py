@@ -75,6 +75,7 @@ class Preset:
     lr_decay: float = 0.1
     ema_decay: float = 0.0
     norm_weight_decay: float | None = None
+    bn_momentum: float | None = None
     alpha: float = _LCCN.alpha
     pretrained: bool = False
     in_channels: int = 3
@@ -176,7 +177,7 @@ def recipe(dataset: str, method: str) -> Preset:
 # the Preset fields the jobs take from the recipe unless given on the command line
 RECIPE_ARGS = ("model", "pretrained", "epochs", "pretrain_epochs", "batch_size", "lr",
                "milestones", "lr_values", "lr_decay", "weight_decay", "ema_decay",
-               "norm_weight_decay", "alpha",
+               "norm_weight_decay", "bn_momentum", "alpha",
                "warmup_steps", "warmup", "targets", "ramp_epochs", "anneal", "mixmatch_alpha",
                "lambda_u", "p_threshold", "temperature", "conf_penalty")
 
@@ -338,6 +339,10 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
                    help="weight decay of the normalisation layers' parameters "
                         "(OptimConfig.norm_weight_decay; default: --weight-decay's; the "
                         "paper's CIFAR code: 0)")
+    m.add_argument("--bn-momentum", type=float, default=None,
+                   help="momentum of the batch-norm running statistics, PyTorch's convention "
+                        "(ModelConfig.bn_momentum; default: PyTorch's 0.1; the paper's CIFAR "
+                        "code's decay 0.997 is 0.003)")
     m.add_argument("--alpha", type=float, default=None, help="Dirichlet alpha")
     m.add_argument("--warmup-steps", type=int, default=None,
                    help="LCCN steps sampling with phi_init (delta)")
@@ -364,9 +369,10 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
                    help="stop the run when the collapse monitor fires (default: warn)")
     m.add_argument("--collapse-val-drop", type=float, default=MonitorConfig.val_drop,
                    help="the monitor's 'classifier degrading' check: noisy-validation accuracy "
-                        "this far (a fraction) below its value when the noise phase started "
-                        "(raise it after --init-from, where a restarted learning rate costs "
-                        "accuracy for a while)")
+                        "this far (a fraction) below its value when the noise phase started, "
+                        "checked in epochs at or below the learning rate that start was "
+                        "trained at (after --init-from: once the restarted schedule is back "
+                        "at the finished run's rate)")
     m.add_argument("--anneal", action=argparse.BooleanOptionalAction, default=None,
                    help="power annealing max(exp(-0.8 step/max_step), 0.5)")
     m.add_argument("--outlier", action="store_true", help="LCCN*: K+1 latent classes")
@@ -443,7 +449,8 @@ def run_config(args: argparse.Namespace) -> RunConfig:
     anneal = bool(args.anneal)
     return RunConfig(
         method=args.method, seed=args.seed,
-        model=ModelConfig(args.model, in_channels=args.in_channels),
+        model=ModelConfig(args.model, in_channels=args.in_channels,
+                          bn_momentum=args.bn_momentum),
         optim=OptimConfig(epochs=args.epochs, pretrain_epochs=args.pretrain_epochs,
                           batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
                           milestones=tuple(args.milestones), lr_decay=args.lr_decay,

@@ -271,8 +271,22 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """The classifier (:func:`pipeline.models.build_model`).
+
+    bn_momentum: momentum of the batch-norm layers' running statistics, in PyTorch's
+        convention (the weight of the new batch). None keeps PyTorch's 0.1. The paper's
+        CIFAR code (TensorFlow) keeps them with decay 0.997: ``bn_momentum = 0.003``.
+    """
+
     name: str = "small_cnn"
     in_channels: int = 3
+    bn_momentum: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.bn_momentum is not None and not 0.0 < self.bn_momentum <= 1.0:
+            raise ValueError(f"ModelConfig.bn_momentum must lie in (0, 1] (PyTorch's "
+                             f"convention; TensorFlow's decay 0.997 is 0.003), got "
+                             f"{self.bn_momentum}")
 
 
 @dataclass(frozen=True)
@@ -288,7 +302,9 @@ class MonitorConfig:
         observed class (a class vanishing).
     val_drop: accuracy on the noisy validation split falls more than this many points
         (as a fraction) below its value at the start of LCCN (the classifier degrading);
-        needs a validation split.
+        needs a validation split. Checked only in epochs whose learning rate is at most the
+        one the starting network was last trained at: a run restarted from a finished one
+        (``--init-from``) is compared once its schedule is back at that rate.
     stop: stop the run (raise :class:`~pipeline.monitor.ChainCollapsed`) instead of only
         warning.
     """

@@ -214,6 +214,19 @@ def init_state_file(path: str | os.PathLike) -> Path:
     return next(iter(found.values())) / STATE_FILE
 
 
+def _last_lr(state: dict) -> float | None:
+    """The learning rate a checkpoint's weights were last trained at: its last epoch row's,
+    else its first optimiser's (the rate of the step it would take next), else None."""
+    hist = state.get("history") or []
+    if hist and "lr" in hist[-1]:
+        return float(hist[-1]["lr"])
+    opts = state.get("optimizers") or ([state["optimizer"]] if "optimizer" in state else [])
+    try:
+        return float(opts[0]["param_groups"][0]["lr"])
+    except (IndexError, KeyError, TypeError):
+        return None
+
+
 def held_out_mask(view: LabelView, fraction: float, *, seed: int) -> np.ndarray | None:
     """``(N,) bool``: the noisy validation split of a training label view, the same
     stratified split as :func:`pipeline.labels.holdout_split` (and the local trainer) for
@@ -825,6 +838,8 @@ class Engine:
             raise ValueError(f"method {run.method!r} needs a store client")
         self.members: list[Member] = self.method.build_members()
         self.history: list[dict[str, float]] = []
+        # the learning rate the starting weights were last trained at (trained_lr)
+        self.init_lr: float | None = None
         self.global_step = 0
         self.run_id: str | None = None
         self.tracker = None
@@ -839,7 +854,8 @@ class Engine:
         run, o = self.run, self.run.optim
         model = build_model(run.model.name, num_outputs or self.k_latent,
                             in_channels=run.model.in_channels, pretrained=self.options.pretrained,
-                            seed=run.seed + index).to(self.device)
+                            seed=run.seed + index,
+                            bn_momentum=run.model.bn_momentum).to(self.device)
         # the fused CUDA kernel: one launch for all parameters, the same update
         optimizer = torch.optim.SGD(param_groups(model, o.weight_decay, o.norm_weight_decay),
                                     lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay,
@@ -880,6 +896,14 @@ class Engine:
         ``top1`` and ``nll``, the held-out negative log-likelihood of the observed labels
         under the model and the method's noise model (:meth:`Method.noise_model`)."""
         return self.score(self.data.val_batches(), noisy=True)
+
+    def trained_lr(self) -> float | None:
+        """The learning rate the members' weights were last trained at: this run's last
+        epoch's, else the one :attr:`init_lr` names (the run ``--init-from`` started from,
+        or what a caller that loaded weights itself set); None when unknown."""
+        if self.history:
+            return float(self.history[-1]["lr"])
+        return self.init_lr
 
     def val_top1(self) -> float:
         """Accuracy on the noisy validation split against its observed labels (NaN
@@ -928,6 +952,7 @@ class Engine:
             raise ValueError(f"--init-from {path}: it holds {len(models)} networks; method "
                              f"{self.run.method!r} trains {len(self.members)}")
         emas = state.get("emas") or [None] * len(models)
+        self.init_lr = _last_lr(state)
         for i, (m, ms, es) in enumerate(zip(self.members, models, emas)):
             try:
                 m.model.load_state_dict(ms)

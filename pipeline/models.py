@@ -42,6 +42,7 @@ __all__ = [
     "preact_resnet32",
     "resnet50",
     "inception_resnet_v2",
+    "set_bn_momentum",
     "small_cnn",
     "cnn_wide",
 ]
@@ -380,6 +381,7 @@ def build_model(
     in_channels: int = 3,
     pretrained: bool = False,
     seed: int | None = None,
+    bn_momentum: float | None = None,
 ) -> nn.Module:
     """Build backbone ``name`` with a ``num_classes``-way linear head.
 
@@ -393,8 +395,11 @@ def build_model(
     under ``torch.random.fork_rng`` seeded with it, so the caller's global RNG state is
     left untouched. Without it the global RNG is used, as by any torch module.
 
-    Raises ValueError for an unknown name (listing the available ones), ``num_classes < 2``
-    or ``in_channels < 1``.
+    ``bn_momentum`` sets the momentum of every batch-norm layer's running statistics
+    (:func:`set_bn_momentum`; None keeps PyTorch's 0.1).
+
+    Raises ValueError for an unknown name (listing the available ones), ``num_classes < 2``,
+    ``in_channels < 1`` or a ``bn_momentum`` outside (0, 1].
     """
     if name not in MODELS:
         raise ValueError(
@@ -403,11 +408,41 @@ def build_model(
     num_classes = _as_int("num_classes", num_classes, 2)
     in_channels = _as_int("in_channels", in_channels, 1)
     builder = MODELS[name]
+    if bn_momentum is not None:
+        check_bn_momentum(bn_momentum)
     if seed is None:
-        return builder(num_classes, in_channels=in_channels, pretrained=bool(pretrained))
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(seed))
-        return builder(num_classes, in_channels=in_channels, pretrained=bool(pretrained))
+        model = builder(num_classes, in_channels=in_channels, pretrained=bool(pretrained))
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(seed))
+            model = builder(num_classes, in_channels=in_channels, pretrained=bool(pretrained))
+    if bn_momentum is not None:
+        set_bn_momentum(model, bn_momentum)
+    return model
+
+
+def check_bn_momentum(momentum: float) -> float:
+    """``momentum`` if it is a valid batch-norm momentum (0 < m <= 1), else ValueError."""
+    m = float(momentum)
+    if not 0.0 < m <= 1.0:
+        raise ValueError(f"bn_momentum must lie in (0, 1] (PyTorch's convention: the weight "
+                         f"of the new batch; TensorFlow's decay 0.997 is 0.003), got {momentum}")
+    return m
+
+
+def set_bn_momentum(model: nn.Module, momentum: float) -> int:
+    """Set the running-statistics momentum of every batch-norm layer of ``model``:
+    ``running = (1 - momentum) * running + momentum * batch`` (PyTorch's convention;
+    TensorFlow's ``decay`` is ``1 - momentum``). Returns how many layers were set; a model
+    without batch norm raises ValueError, since the option would then do nothing."""
+    m = check_bn_momentum(momentum)
+    layers = [mod for mod in model.modules() if isinstance(mod, nn.modules.batchnorm._BatchNorm)]
+    if not layers:
+        raise ValueError(f"bn_momentum {momentum}: {type(model).__name__} has no batch-norm "
+                         f"layer to set it on")
+    for mod in layers:
+        mod.momentum = m
+    return len(layers)
 
 
 def count_parameters(model: nn.Module, *, trainable_only: bool = False) -> int:

@@ -70,21 +70,46 @@ def chain_health(z: Tensor, observed: Tensor, k_latent: int, num_classes: int, *
 class CollapseMonitor:
     """Checks the per-epoch health of an LCCN run against :class:`MonitorConfig`.
 
-    ``start(val_top1)`` records the noisy validation accuracy when LCCN starts (NaN without
-    a validation split); ``check(health, val_top1)`` returns the list of reasons the chain
-    looks collapsed (empty when healthy), warns with :class:`CollapseWarning` and, with
-    ``stop``, raises :class:`ChainCollapsed`.
+    ``start(val_top1, lr=)`` records the noisy validation accuracy when LCCN starts (NaN
+    without a validation split) and the learning rate the starting network was last
+    trained at (None: unknown); ``check(health, val_top1, lr=)`` returns the list of
+    reasons the chain looks collapsed (empty when healthy), warns with
+    :class:`CollapseWarning` and, with ``stop``, raises :class:`ChainCollapsed`.
+
+    The validation check compares like with like: it runs only in epochs whose learning
+    rate is at most the starting network's. A run that restarts the schedule from a
+    finished one (the paper's CIFAR protocol, ``--init-from``) begins at a far higher rate
+    than the one its start was trained at, and any method, CE included, loses accuracy
+    there for a while; the check waits until the schedule is back at the start's rate. A
+    run that switches to LCCN part way through one schedule goes on at the same rate, so
+    there it checks from the first LCCN epoch on.
     """
 
     def __init__(self, cfg: MonitorConfig) -> None:
         self.cfg = cfg
         self.val_start = float("nan")
+        self.lr_start: float | None = None
         self.fired = 0
 
-    def start(self, val_top1: float) -> None:
+    def start(self, val_top1: float, *, lr: float | None = None) -> None:
         self.val_start = float(val_top1)
+        self.lr_start = None if lr is None else float(lr)
 
-    def reasons(self, health: dict[str, float], val_top1: float = float("nan")) -> list[str]:
+    def compares(self, lr: float | None) -> bool:
+        """Whether the validation check runs in an epoch at learning rate ``lr``."""
+        return self.lr_start is None or lr is None or lr <= self.lr_start * (1 + 1e-6)
+
+    def state_dict(self) -> dict[str, float | None]:
+        return {"monitor_val_start": self.val_start, "monitor_lr_start": self.lr_start}
+
+    def load_state_dict(self, state: dict) -> None:
+        """From a method's checkpoint state (older ones hold only the accuracy)."""
+        self.val_start = float(state.get("monitor_val_start", math.nan))
+        lr = state.get("monitor_lr_start")
+        self.lr_start = None if lr is None else float(lr)
+
+    def reasons(self, health: dict[str, float], val_top1: float = float("nan"), *,
+                lr: float | None = None) -> list[str]:
         c, out = self.cfg, []
         ent = health.get("latent_entropy", float("nan"))
         if ent < c.entropy_floor:
@@ -95,16 +120,18 @@ class CollapseMonitor:
             out.append(f"a latent class vanishing: the smallest holds {share:.3f} of the "
                        f"smallest observed class (floor {c.vanish_floor})")
         if not math.isnan(self.val_start) and not math.isnan(val_top1) \
-                and val_top1 < self.val_start - c.val_drop:
+                and self.compares(lr) and val_top1 < self.val_start - c.val_drop:
             out.append(f"classifier degrading: noisy validation accuracy {val_top1:.4f}, "
                        f"{self.val_start:.4f} when LCCN started (allowed drop {c.val_drop})")
         return out
 
     def check(self, health: dict[str, float], val_top1: float = float("nan"), *,
-              epoch: int | None = None, stop: bool | None = None) -> list[str]:
-        """``stop`` overrides ``MonitorConfig.stop`` (a distributed run warns here and stops
-        every rank together itself)."""
-        found = self.reasons(health, val_top1)
+              epoch: int | None = None, lr: float | None = None,
+              stop: bool | None = None) -> list[str]:
+        """``lr``: the learning rate of the epoch checked (see :meth:`compares`); ``stop``
+        overrides ``MonitorConfig.stop`` (a distributed run warns here and stops every
+        rank together itself)."""
+        found = self.reasons(health, val_top1, lr=lr)
         if found:
             self.fired += 1
             where = f" at epoch {epoch}" if epoch is not None else ""

@@ -153,13 +153,17 @@ class LocalTrainer:
     out_dir: where the method's end-of-run files go (LCCN*: ``outliers.csv``, whose idx
     are ``train``'s, validation split included in the numbering, and whose keys are
     ``keys[idx]`` when given); tracking: an MLflow run for the metrics and those files
-    (:class:`~pipeline.engine.Tracking`).
+    (:class:`~pipeline.engine.Tracking`); normalize: a module every network applies to
+    uint8 batches before its forward (training, evaluation and prediction alike), for
+    images stored as uint8 and normalised after augmentation (e.g.
+    :class:`~pipeline.transforms.PerImageStandardize`).
     """
 
     def __init__(self, cfg: RunConfig, train: TensorData, test: TensorData, *,
                  device: str = "cpu", session: Session | None = None,
                  out_dir: str | None = None, keys: Sequence[str] | None = None,
-                 tracking: Tracking | None = None) -> None:
+                 tracking: Tracking | None = None,
+                 normalize: nn.Module | None = None) -> None:
         k = train.labels.num_classes
         if test.labels.num_classes != k:
             raise ValueError(f"train has {k} classes but test has {test.labels.num_classes}")
@@ -193,7 +197,8 @@ class LocalTrainer:
                                                    raise_on_collapse=True,
                                                    out_dir=None if out_dir is None else str(out_dir),
                                                    sample_idx=self.train_rows,
-                                                   sample_keys=keys, tracking=tracking))
+                                                   sample_keys=keys, tracking=tracking,
+                                                   normalize=normalize))
         self.k_latent = self.engine.k_latent
 
     # -- the engine's state, under the names callers use ---------------------------------------

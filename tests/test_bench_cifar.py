@@ -103,6 +103,43 @@ def test_restart_runs_the_whole_schedule_again_from_ces_final_weights(bench, sha
         bench["main"](_argv(shared_data, tmp_path / "c", cache, "--restart-control"))
 
 
+def test_per_image_standardisation_and_bn_momentum_reach_every_network(bench, shared_data,
+                                                                      tmp_path, one_thread):
+    """``--normalise image``: the images stay uint8 in memory, are cropped and flipped,
+    and every network (CE's, LCCN's) sees each image standardised by its own mean and
+    deviation, as the paper's code; ``--bn-momentum`` reaches all their batch-norm layers;
+    the label view is the same as with the default normalisation."""
+    cache = tmp_path / "cache"
+    g = bench["fit_pair"].__globals__
+    base, inputs, trainers = g["LocalTrainer"], [], []
+
+    class Recording(base):
+        def fit(self, **kw):
+            trainers.append(self)
+            self.model.register_forward_pre_hook(lambda mod, a: inputs.append(a[0].detach()))
+            return super().fit(**kw)
+
+    g["LocalTrainer"] = Recording
+    try:
+        img = bench["main"](_argv(shared_data, tmp_path / "i", cache, "--normalise", "image",
+                                  "--bn-momentum", "0.003"))[0]
+    finally:
+        g["LocalTrainer"] = base
+    chan = bench["main"](_argv(shared_data, tmp_path / "c", cache))[0]
+    assert img["true_transition"] == chan["true_transition"]
+    assert len(trainers) == 2 and len(inputs) > 10
+    for x in inputs:
+        assert x.dtype == torch.float32 and x.shape[1:] == (3, 32, 32)
+        flat = x.flatten(1)
+        assert torch.allclose(flat.mean(1), torch.zeros(len(x)), atol=1e-4)
+        assert torch.allclose(flat.std(1, unbiased=False), torch.ones(len(x)), atol=1e-3)
+    for t in trainers:
+        bns = [m for m in t.model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+        assert bns and {m.momentum for m in bns} == {0.003}
+    for entry in img["methods"].values():
+        assert all(0 <= r["test_top1"] <= 1 for r in entry["history"])
+
+
 def test_bench_imports_without_the_cluster_packages():
     """The GPU node runs this script with only a CUDA PyTorch image."""
     import subprocess

@@ -95,6 +95,24 @@ def test_collapse_val_drop_reaches_the_monitor():
     assert run.monitor.val_drop == 0.3
 
 
+def test_bn_momentum_is_an_option_of_every_job_and_reaches_every_batch_norm_layer():
+    from torch import nn
+
+    from pipeline.models import build_model
+
+    _, run = _configs(cifar_lccn, ["--data", "/x"])
+    assert run.model.bn_momentum is None
+    args, run = _configs(cifar_lccn, ["--data", "/x", "--bn-momentum", "0.003"])
+    assert run.model.bn_momentum == 0.003 and "bn_momentum" in args.recipe_given
+    model = build_model(run.model.name, 10, bn_momentum=run.model.bn_momentum)
+    bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert len(bns) > 10 and {m.momentum for m in bns} == {0.003}
+    _, run = _configs(webvision_divide_lccn, ["--data", "/x", "--bn-momentum", "0.01"])
+    assert run.model.bn_momentum == 0.01
+    with pytest.raises(ValueError, match=r"bn_momentum must lie in \(0, 1\].*0\.997 is 0\.003"):
+        _configs(cifar_lccn, ["--data", "/x", "--bn-momentum", "1.5"])
+
+
 def test_init_from_is_resolved_before_any_worker_starts(tmp_path):
     import torch
 

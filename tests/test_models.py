@@ -216,3 +216,27 @@ def test_preact_blocks_follow_their_references(gen):
             assert torch.allclose(block(x), want, atol=1e-6), shortcut
     net = build_model("preact_resnet18", 10)
     assert all(b.shortcut == "conv" for b in net.modules() if isinstance(b, PreActBlock))
+
+
+def test_bn_momentum_sets_the_running_statistics_update_of_every_batch_norm_layer():
+    """build_model(bn_momentum=m): every BN layer's running mean moves by m of the way to
+    the batch mean in one training forward (PyTorch's convention); None keeps 0.1; a value
+    outside (0, 1] or a model without batch norm is an error naming the value."""
+    from pipeline.models import set_bn_momentum
+
+    x = torch.randn(16, 3, 32, 32, generator=torch.Generator().manual_seed(0)) * 3 + 2
+    for m, want in ((None, 0.1), (0.003, 0.003), (1.0, 1.0)):
+        model = build_model("preact_resnet32", 10, seed=0, bn_momentum=m)
+        bns = [b for b in model.modules() if isinstance(b, torch.nn.BatchNorm2d)]
+        assert bns and all(b.momentum == want for b in bns)
+        first = bns[0]  # its input is the stem conv's output
+        seen = {}
+        first.register_forward_pre_hook(lambda mod, inp: seen.setdefault("x", inp[0].detach()))
+        model.train()(x)
+        batch_mean = seen["x"].mean(dim=(0, 2, 3))
+        assert torch.allclose(first.running_mean, want * batch_mean, atol=1e-5), m
+    for bad in (0.0, -0.1, 1.5, 0.997 + 1):
+        with pytest.raises(ValueError, match=rf"bn_momentum must lie in \(0, 1\].*{bad}"):
+            build_model("small_cnn", 10, bn_momentum=bad)
+    with pytest.raises(ValueError, match="Linear has no batch-norm layer"):
+        set_bn_momentum(torch.nn.Linear(3, 2), 0.01)

@@ -509,8 +509,12 @@ def test_init_from_starts_a_fresh_run_from_another_runs_final_weights(tmp_path):
     for name, v in m.ema.state_dict().items():
         assert torch.equal(v, final["emas"][0][name]), name
     assert t.engine.start_epoch == 0 and not m.optimizer.state  # fresh momentum
+    # the rate CE's weights were last trained at: the collapse monitor's reference
+    assert t.engine.trained_lr() == pytest.approx(final["history"][-1]["lr"])
     hist = t.fit()
     assert [r["phase"] for r in hist] == [1.0] and hist[0]["test_top1"] > 0.5
+    assert t.method.monitor.lr_start == pytest.approx(0.05)
+    assert t.engine.trained_lr() == pytest.approx(hist[-1]["lr"])  # now its own history
     # errors
     _write_checkpoint(tmp_path / "runs" / "train" / "other" / "checkpoint_000000", first)
     with pytest.raises(ValueError, match="checkpoints of 2 runs"):

@@ -32,7 +32,6 @@ transition with ``LCCNConfig.refresh_steps`` > 1).
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -446,7 +445,7 @@ class DivideLCCN(DivideMix):
             sfx = "" if k == 0 else "_net2"
             out[f"init_transition_error{sfx}"] = transition_error(phi, data.transition)
         self.phi_init = phis
-        self.monitor.start(eng.val_top1())
+        self.monitor.start(eng.val_top1(), lr=eng.trained_lr())
         return out
 
     def begin_epoch(self, epoch: int, steps_per_epoch: int) -> None:
@@ -557,19 +556,20 @@ class DivideLCCN(DivideMix):
                                   counted=s["counted"], phi=phi, phi_init=self.phi_init[k])
             sfx = "" if k == 0 else "_net2"
             out.update({f"{key}{sfx}": v for key, v in health.items()})
-            collapse |= bool(self.monitor.check(health, val, epoch=epoch, stop=stop))
+            collapse |= bool(self.monitor.check(health, val, epoch=epoch, lr=row.get("lr"),
+                                                stop=stop))
         out["collapse"] = float(collapse)
         return out
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "lccn_step": max(self.lccn_steps),
                 "lccn_steps": list(self.lccn_steps), "phi_init": self.phi_init,
-                "monitor_val_start": self.monitor.val_start,
+                **self.monitor.state_dict(),
                 label_issues.STATE_KEY: self.report.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         super().load_state_dict(state)
         self.lccn_steps = [int(s) for s in state.get("lccn_steps", [0, 0])]
         self.phi_init = state.get("phi_init")
-        self.monitor.val_start = float(state.get("monitor_val_start", math.nan))
+        self.monitor.load_state_dict(state)
         self.report.load_state_dict(state.get(label_issues.STATE_KEY))

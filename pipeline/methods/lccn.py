@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import csv
 import io
-import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -112,7 +111,7 @@ class LCCN(Method):
         z0 = initial_assignment(observed, probs=probs, mode=lc.init)
         eng.chain.start(idx, z0, k_latent=eng.k_latent, trusted=self.trusted, clean=data.clean)
         self.phi_init = phi_init
-        self.monitor.start(eng.val_top1())
+        self.monitor.start(eng.val_top1(), lr=eng.trained_lr())
         return {"init_transition_error": transition_error(phi_init, data.transition)}
 
     def begin_epoch(self, epoch: int, steps_per_epoch: int) -> None:
@@ -195,7 +194,8 @@ class LCCN(Method):
         stop = None if self.engine.options.raise_on_collapse else False
         val = row.get("val_top1", float("nan"))
         out.update(health)
-        out["collapse"] = float(bool(self.monitor.check(health, val, epoch=epoch, stop=stop)))
+        out["collapse"] = float(bool(self.monitor.check(health, val, epoch=epoch,
+                                                        lr=row.get("lr"), stop=stop)))
         return out
 
     def final_files(self) -> dict[str, str]:
@@ -218,7 +218,7 @@ class LCCN(Method):
 
     def state_dict(self) -> dict[str, Any]:
         return {"lccn_step": self.lccn_step, "phi_init": self.phi_init,
-                "monitor_val_start": self.monitor.val_start,
+                **self.monitor.state_dict(),
                 "outlier_mean": (None if self.outlier_mean is None
                                  else self.outlier_mean.state_dict()),
                 label_issues.STATE_KEY: self.report.state_dict()}
@@ -226,7 +226,7 @@ class LCCN(Method):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.lccn_step = int(state.get("lccn_step", 0))
         self.phi_init = state.get("phi_init")
-        self.monitor.val_start = float(state.get("monitor_val_start", math.nan))
+        self.monitor.load_state_dict(state)
         saved = state.get("outlier_mean")
         if saved is not None and self.outlier_mean is not None:
             if "sums" in saved:  # a checkpoint of the earlier rank-0 gather format
