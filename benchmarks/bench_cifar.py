@@ -165,7 +165,8 @@ def get_args_parser() -> argparse.ArgumentParser:
 class Cifar:
     """The benchmark's images and labels. ``features``: the channel-normalised training
     images, flattened, whatever ``--normalise`` (the instance-dependent view draws its
-    flips from them, so the label views do not depend on the option); ``normalize``: the
+    flips from them, so the label views do not depend on the option; with ``--normalise
+    image`` made only when an instance-dependent setting is asked for); ``normalize``: the
     module the networks apply to uint8 batches (``--normalise image``), else None."""
 
     train_x: torch.Tensor
@@ -173,7 +174,7 @@ class Cifar:
     test_x: torch.Tensor
     test_y: np.ndarray
     aug: RandomCropFlip
-    features: torch.Tensor
+    features: torch.Tensor | None
     normalize: nn.Module | None
 
 
@@ -186,19 +187,22 @@ def load_data(args: argparse.Namespace) -> Cifar:
     if keep.size != 10 * per:
         raise ValueError(f"--train-size {args.train_size}: CIFAR-10 has 5,000 per class")
     mean, std = channel_stats(arrays.train_x[keep])
-    features = normalise(arrays.train_x[keep], mean, std)
+    features = None
     if args.normalise == "image":  # pad with black, crop, flip, then standardise each image
         train_x = torch.from_numpy(np.ascontiguousarray(arrays.train_x[keep]))
         test_x = torch.from_numpy(np.ascontiguousarray(arrays.test_x))
         aug, norm = RandomCropFlip(padding=4, fill=0.0), PerImageStandardize()
+        if any(SETTINGS[s][0] == "instance" for s in args.settings):
+            features = normalise(arrays.train_x[keep], mean, std).reshape(len(keep), -1)
     else:
-        train_x, test_x = features, normalise(arrays.test_x, mean, std)
+        train_x, test_x = normalise(arrays.train_x[keep], mean, std), normalise(arrays.test_x,
+                                                                              mean, std)
         aug, norm = RandomCropFlip(padding=4, fill=-mean / std), None
+        features = train_x.reshape(len(keep), -1)  # a view: no copy
     print(f"loaded CIFAR-10 from {tar} in {time.perf_counter() - t0:.1f}s: train subset "
           f"{tuple(train_x.shape)} (first {per} of each class), test {tuple(test_x.shape)}, "
           f"normalised per {args.normalise}", flush=True)
-    return Cifar(train_x, arrays.train_y[keep], test_x, arrays.test_y, aug,
-                 features.reshape(len(keep), -1), norm)
+    return Cifar(train_x, arrays.train_y[keep], test_x, arrays.test_y, aug, features, norm)
 
 
 def noisy_view(name: str, clean: np.ndarray, features: torch.Tensor, seed: int) -> LabelView:
@@ -297,7 +301,8 @@ def fit_pair(args: argparse.Namespace, cfg_ce: RunConfig, cfg_lccn: RunConfig,
     if args.pretrain_from is not None:
         snap = _wait_for_pretrain(args.pretrain_from, args.pretrain_wait, args.device)
         theirs, ours = snap.get("key", {}), _run_key(args)
-        differ = sorted(k for k in ours if theirs.get(k) != ours[k])
+        # a state written before an option existed was written with its default
+        differ = sorted(k for k in ours if theirs.get(k, _KEY_DEFAULTS.get(k)) != ours[k])
         if differ:
             raise ValueError(f"{args.pretrain_from} was written by another protocol: "
                              + ", ".join(f"{k} {theirs.get(k)!r} there, {ours[k]!r} here"
@@ -324,7 +329,6 @@ def fit_pair(args: argparse.Namespace, cfg_ce: RunConfig, cfg_lccn: RunConfig,
                 snap["gen"] = ce.gen.get_state()
                 snap["t"] = time.perf_counter() - t0
                 snap["global_step"] = ce.engine.global_step
-                snap["lr"] = r["lr"]  # the rate the state was last trained at
                 ema = ce.engine.members[0].ema
                 snap["ema"] = copy.deepcopy(ema.state_dict()) if ema is not None else None
                 if args.pretrain_out is not None:
@@ -348,8 +352,8 @@ def fit_pair(args: argparse.Namespace, cfg_ce: RunConfig, cfg_lccn: RunConfig,
     lc = LocalTrainer(cfg, train, test, device=args.device, normalize=normalize)
     _set_schedule(args, lc, offset=0 if args.restart else p)
     lc.model.load_state_dict(snap["model"])
-    # the collapse monitor compares validation accuracy at rates up to this one
-    lc.engine.init_lr = snap.get("lr")
+    # the rate the start was last trained at: the collapse monitor compares up to it
+    lc.engine.init_lr = hist_ce[p - 1]["lr"]
     if not args.restart:  # the same run continued: momentum and the step count go on
         lc.optimizer.load_state_dict(snap["optim"])
         lc.engine.global_step = snap["global_step"]
@@ -388,6 +392,9 @@ def fit_pair(args: argparse.Namespace, cfg_ce: RunConfig, cfg_lccn: RunConfig,
     print("learned phi[k, j] = P(observed=j | latent=k):\n"
           + format_transition(lc.transition().numpy(), rows="latent"))
     return out
+
+
+_KEY_DEFAULTS = {"bn_momentum": None, "normalise": "channel"}
 
 
 def _run_key(args: argparse.Namespace) -> dict:

@@ -29,25 +29,21 @@ from pipeline.config import MonitorConfig  # noqa: E402
 from pipeline.monitor import CollapseMonitor  # noqa: E402
 
 
-def replay(lccn: dict, ce_history: list[dict], *, val_drop: float) -> dict:
-    """Fired epochs of one LCCN run under both rules. ``ce_history``: the CE rows the run
-    started after (its own pre-training epochs, or a finished CE run it restarted from)."""
+def replay(lccn: dict, *, val_drop: float) -> dict:
+    """Fired epochs of one LCCN run under both rules; its history holds the CE epochs it
+    started after (its own pre-training, or the finished CE run it restarted from)."""
     hist = lccn["history"]
     start = sum(1 for r in hist if r.get("phase", 1.0) == 0.0)
     if start == 0 or start == len(hist):
         raise ValueError("the LCCN history has no CE epochs before its LCCN epochs")
-    ref = hist[start - 1]
-    if ce_history and len(ce_history) == start and ce_history[-1]["epoch"] == ref["epoch"]:
-        ref = ce_history[-1]
+    ref = hist[start - 1]  # the CE epoch (its own, or the finished run's last) LCCN started from
     out = {"lccn_epochs": len(hist) - start, "val_start": ref["val_top1"], "lr_start": ref["lr"],
            "recorded": len(lccn.get("collapse_epochs", []))}
     for name, lr_start in (("every_rate", None), ("start_rate", ref["lr"])):
         mon = CollapseMonitor(MonitorConfig(val_drop=val_drop))
         mon.start(ref["val_top1"], lr=lr_start)
         out[name] = sum(bool(mon.reasons({}, r["val_top1"], lr=r["lr"])) for r in hist[start:])
-    armed = [r for r in hist[start:] if r["lr"] <= ref["lr"] * (1 + 1e-6)]
-    out["armed_epochs"] = len(armed)
-    out["min_val_armed"] = min((r["val_top1"] for r in armed), default=float("nan"))
+    out["armed_epochs"] = sum(mon.compares(r["lr"]) for r in hist[start:])
     return out
 
 
@@ -62,9 +58,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         lccn = r["methods"].get("lccn")
         if lccn is None:
             continue
-        ce = (r["methods"].get("ce") or {}).get("history", [])
         row = {"file": f.name, "setting": r["setting"], "seed": r["seed"],
-               **replay(lccn, ce, val_drop=args.val_drop)}
+               **replay(lccn, val_drop=args.val_drop)}
         rows.append(row)
     print("| run | LCCN epochs | start: noisy val / lr | warned (recorded) | validation check, "
           "every rate | validation check, start's rate or below (epochs compared) |")

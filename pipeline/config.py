@@ -269,6 +269,16 @@ class OptimConfig:
             raise ValueError(f"batch_size and lr must be positive, got {self.batch_size}, {self.lr}")
 
 
+def check_bn_momentum(momentum: float) -> float:
+    """``momentum`` as a float if it is a batch-norm momentum (0 < m <= 1, PyTorch's
+    convention: the new batch's weight), else ValueError naming the value."""
+    m = float(momentum)
+    if not 0.0 < m <= 1.0:
+        raise ValueError(f"bn_momentum must lie in (0, 1] (PyTorch's convention: the weight "
+                         f"of the new batch; TensorFlow's decay 0.997 is 0.003), got {momentum}")
+    return m
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The classifier (:func:`pipeline.models.build_model`).
@@ -283,10 +293,8 @@ class ModelConfig:
     bn_momentum: float | None = None
 
     def __post_init__(self) -> None:
-        if self.bn_momentum is not None and not 0.0 < self.bn_momentum <= 1.0:
-            raise ValueError(f"ModelConfig.bn_momentum must lie in (0, 1] (PyTorch's "
-                             f"convention; TensorFlow's decay 0.997 is 0.003), got "
-                             f"{self.bn_momentum}")
+        if self.bn_momentum is not None:
+            check_bn_momentum(self.bn_momentum)
 
 
 @dataclass(frozen=True)

@@ -215,8 +215,9 @@ def init_state_file(path: str | os.PathLike) -> Path:
 
 
 def _last_lr(state: dict) -> float | None:
-    """The learning rate a checkpoint's weights were last trained at: its last epoch row's,
-    else its first optimiser's (the rate of the step it would take next), else None."""
+    """The learning rate a checkpoint's weights were last trained at: its last epoch row's;
+    without a history its first optimiser's, which is the rate of the step it would take
+    next (the same unless a milestone falls just after its last epoch); else None."""
     hist = state.get("history") or []
     if hist and "lr" in hist[-1]:
         return float(hist[-1]["lr"])
@@ -901,7 +902,7 @@ class Engine:
         """The learning rate the members' weights were last trained at: this run's last
         epoch's, else the one :attr:`init_lr` names (the run ``--init-from`` started from,
         or what a caller that loaded weights itself set); None when unknown."""
-        if self.history:
+        if self.history and "lr" in self.history[-1]:
             return float(self.history[-1]["lr"])
         return self.init_lr
 

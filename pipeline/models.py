@@ -30,6 +30,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from pipeline.config import check_bn_momentum
+
 __all__ = [
     "MODELS",
     "PreActBlock",
@@ -419,15 +421,6 @@ def build_model(
     if bn_momentum is not None:
         set_bn_momentum(model, bn_momentum)
     return model
-
-
-def check_bn_momentum(momentum: float) -> float:
-    """``momentum`` if it is a valid batch-norm momentum (0 < m <= 1), else ValueError."""
-    m = float(momentum)
-    if not 0.0 < m <= 1.0:
-        raise ValueError(f"bn_momentum must lie in (0, 1] (PyTorch's convention: the weight "
-                         f"of the new batch; TensorFlow's decay 0.997 is 0.003), got {momentum}")
-    return m
 
 
 def set_bn_momentum(model: nn.Module, momentum: float) -> int:

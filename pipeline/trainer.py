@@ -47,6 +47,8 @@ class ViewsBatch(NamedTuple):
 @dataclass
 class TensorData:
     """An in-memory split: ``images (N,C,H,W)`` float and the label view over it (idx = row).
+    uint8 images work too when the trainer is given ``normalize=`` (the networks then
+    normalise each batch themselves, after augmentation).
 
     augment: optional ``augment(images (B,C,H,W), generator) -> (B,C,H,W)`` applied to the
     images of every batch of a shuffled (training) pass, i.e. when :meth:`batches` is given

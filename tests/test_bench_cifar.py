@@ -127,6 +127,15 @@ def test_per_image_standardisation_and_bn_momentum_reach_every_network(bench, sh
         g["LocalTrainer"] = base
     chan = bench["main"](_argv(shared_data, tmp_path / "c", cache))[0]
     assert img["true_transition"] == chan["true_transition"]
+    # the instance-dependent view draws from the channel-normalised images in both modes
+    parse = bench["get_args_parser"]().parse_args
+    loaded = {mode: bench["load_data"](parse(_argv(shared_data, tmp_path, cache, "--normalise",
+                                                   mode, "--settings", "idn0.4")))
+              for mode in ("image", "channel")}
+    assert loaded["image"].train_x.dtype == torch.uint8
+    assert torch.equal(loaded["image"].features, loaded["channel"].features)
+    views = [bench["noisy_view"]("idn0.4", d.train_y, d.features, 0) for d in loaded.values()]
+    assert (views[0].observed == views[1].observed).all() and views[0].noise_rate() > 0.2
     assert len(trainers) == 2 and len(inputs) > 10
     for x in inputs:
         assert x.dtype == torch.float32 and x.shape[1:] == (3, 32, 32)

@@ -514,6 +514,7 @@ def test_init_from_starts_a_fresh_run_from_another_runs_final_weights(tmp_path):
     hist = t.fit()
     assert [r["phase"] for r in hist] == [1.0] and hist[0]["test_top1"] > 0.5
     assert t.method.monitor.lr_start == pytest.approx(0.05)
+    assert hist[0]["val_compared"] == 1.0  # the same rate: the validation check runs
     assert t.engine.trained_lr() == pytest.approx(hist[-1]["lr"])  # now its own history
     # errors
     _write_checkpoint(tmp_path / "runs" / "train" / "other" / "checkpoint_000000", first)

@@ -558,6 +558,7 @@ class DivideLCCN(DivideMix):
             out.update({f"{key}{sfx}": v for key, v in health.items()})
             collapse |= bool(self.monitor.check(health, val, epoch=epoch, lr=row.get("lr"),
                                                 stop=stop))
+        out["val_compared"] = float(self.monitor.compares(row.get("lr")))
         out["collapse"] = float(collapse)
         return out
 

@@ -194,6 +194,7 @@ class LCCN(Method):
         stop = None if self.engine.options.raise_on_collapse else False
         val = row.get("val_top1", float("nan"))
         out.update(health)
+        out["val_compared"] = float(self.monitor.compares(row.get("lr")))
         out["collapse"] = float(bool(self.monitor.check(health, val, epoch=epoch,
                                                         lr=row.get("lr"), stop=stop)))
         return out
