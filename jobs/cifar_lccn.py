@@ -60,7 +60,7 @@ def prepare_run(args: argparse.Namespace) -> common.JobRun:
 def main(argv: list[str] | None = None) -> dict:
     args = get_args_parser().parse_args(argv)
     jr = prepare_run(args)
-    return common.run_job(args, job=JOB, run=jr.run, dist=jr.dist, view=jr.view, log=jr.log)
+    return common.run_job(args, job=JOB, run=jr.run, dist=jr.dist, view=jr.view, log=jr.lines())
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -1039,20 +1039,26 @@ def dataset_parser(*, job: str, preset: Preset, description: str, epilog: str,
 class JobRun:
     """Everything a job hands to :func:`run_job`: the configs, the label view and the log
     lines to print first (built by a job's ``prepare_run(args)``; a sweep trial changes
-    ``run`` before running it)."""
+    ``run`` before running it). ``run_warnings`` are the lines that speak of ``run`` (the
+    warm-up warning): a trial that changes ``run`` replaces them with its own."""
 
     run: RunConfig
     dist: DistConfig
     view: LabelView
     log: list[str]
     manifest: Manifest | None = None  # the training split's, where the job read it
+    run_warnings: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        """What the run prints first: ``log``, then ``run_warnings``."""
+        return [*self.log, *self.run_warnings]
 
 
 def dataset_main(args: argparse.Namespace, *, job: str, preset: Preset, smoke: SmokeData,
                  extra_log: list[str] | None = None) -> dict[str, Any]:
     """The body of a dataset job: smoke data or the given shards -> label view -> run."""
     jr = dataset_setup(args, job=job, preset=preset, smoke=smoke, extra_log=extra_log)
-    return run_job(args, job=job, run=jr.run, dist=jr.dist, view=jr.view, log=jr.log)
+    return run_job(args, job=job, run=jr.run, dist=jr.dist, view=jr.view, log=jr.lines())
 
 
 def dataset_setup(args: argparse.Namespace, *, job: str, preset: Preset, smoke: SmokeData,
@@ -1085,8 +1091,7 @@ def dataset_setup(args: argparse.Namespace, *, job: str, preset: Preset, smoke: 
         raise SystemExit(f"error: {e}") from None
     check_transition_file(run, view.num_classes)
     note = warmup_covers_phase(run, train_manifest, args.num_workers)
-    if note:
-        log.append(f"[{job}] warning: {note}")
     dist = dist_config(args, run_name=args.run_name, train=train, test=test,
                        class_names=manifest_classes(train), transform=preset.transform)
-    return JobRun(run=run, dist=dist, view=view, log=log, manifest=train_manifest)
+    return JobRun(run=run, dist=dist, view=view, log=log, manifest=train_manifest,
+                  run_warnings=[f"[{job}] warning: {note}"] if note else [])

@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         common.check_transition_file(jr.run, jr.view.num_classes)
         summary = common.run_job(args, job=JOB, run=jr.run, dist=jr.dist, view=jr.view,
-                                 log=jr.log)
+                                 log=jr.lines())
         summary["experiment"] = args.experiment
         ce = None
         if baseline and args.method == "lccn":

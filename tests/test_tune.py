@@ -284,15 +284,19 @@ def test_a_trial_is_warned_about_its_own_warm_up(tmp_path):
     """The warm-up warning speaks of the trial's δ (a swept field), not the job's."""
     from tune import sweep
 
-    def trial_log(point):
-        _, _, jr = sweep.trial_run(point, job="cifar", job_argv=["--smoke-test"],
+    def trial_log(point, *job_argv):
+        _, _, jr = sweep.trial_run(point, job="cifar", job_argv=["--smoke-test", *job_argv],
                                    sweep_dir=str(tmp_path), trial_id="w_00001",
                                    tracking_uri=None, experiment="x", parent_run_id=None)
-        return [line for line in jr.log if "warning: --warmup-steps" in line]
+        return [line for line in jr.lines() if "warning: --warmup-steps" in line]
 
     (line,) = trial_log({"lccn.warmup_steps": 100_000})
     assert line.startswith("[sweep] trial w_00001: warning: --warmup-steps 100,000 covers")
     assert trial_log({"lccn.warmup_steps": 1}) == []
+    # the job's own warning (its δ covers the phase) is replaced by the trial's, not kept
+    assert trial_log({"lccn.warmup_steps": 1}, "--warmup-steps", "100000") == []
+    (line,) = trial_log({"lccn.warmup_steps": 200_000}, "--warmup-steps", "100000")
+    assert "200,000" in line
 
 
 def test_orphaned_placement_groups_are_released_and_others_kept():

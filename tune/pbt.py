@@ -221,7 +221,7 @@ def run_trial(config: dict[str, Any], **kwargs: Any) -> None:
     def fit() -> None:
         try:
             common.run_job(args, job=mod.JOB, run=jr.run, dist=jr.dist, view=jr.view,
-                           log=jr.log, callbacks=[CheckpointQueue(queue)])
+                           log=jr.lines(), callbacks=[CheckpointQueue(queue)])
         except BaseException as e:  # noqa: BLE001 - raised again in the trial's thread
             errors.append(e)
         finally:

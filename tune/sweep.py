@@ -103,14 +103,13 @@ def trial_run(config: dict[str, Any], *, job: str, job_argv: list[str], sweep_di
     if parent_run_id:
         tags.append(("mlflow.parentRunId", parent_run_id))
     dist = dataclasses.replace(dist, mlflow_tags=tuple(tags))
-    # the job's warm-up warning spoke of its own δ and schedule: say it of the trial's
-    log = [line for line in jr.log if "warning: --warmup-steps" not in line]
-    log.append(f"[sweep] trial {trial_id}: {json.dumps(config, default=str)}")
+    # the job's run warnings (the warm-up's) spoke of its own δ and schedule: the trial's
+    log = [*jr.log, f"[sweep] trial {trial_id}: {json.dumps(config, default=str)}"]
     note = (common.warmup_covers_phase(run, jr.manifest, args.num_workers)
             if jr.manifest is not None else None)
-    if note:
-        log.append(f"[sweep] trial {trial_id}: warning: {note}")
-    return mod, args, common.JobRun(run=run, dist=dist, view=jr.view, log=log)
+    return mod, args, common.JobRun(
+        run=run, dist=dist, view=jr.view, log=log, manifest=jr.manifest,
+        run_warnings=[f"[sweep] trial {trial_id}: warning: {note}"] if note else [])
 
 
 def run_trial(config: dict[str, Any], **kwargs: Any) -> None:
@@ -127,7 +126,7 @@ def run_trial(config: dict[str, Any], **kwargs: Any) -> None:
 
     trial_id = ray.tune.get_context().get_trial_id()
     mod, args, jr = trial_run(config, trial_id=trial_id, **kwargs)
-    common.run_job(args, job=mod.JOB, run=jr.run, dist=jr.dist, view=jr.view, log=jr.log,
+    common.run_job(args, job=mod.JOB, run=jr.run, dist=jr.dist, view=jr.view, log=jr.lines(),
                    callbacks=[EpochReport()])
 
 
