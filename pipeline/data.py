@@ -478,22 +478,26 @@ def check_splits(train: Manifest, test: Manifest | None, *, world_size: int,
                  train_where: str, test_where: str | None = None) -> None:
     """Before a run starts (``ValueError`` otherwise): the test split has the training
     split's classes in the same order (each split converted on its own sorts its own class
-    folders, and a class missing from one shifts every index after it), and each split has
-    at least one shard per rank (every rank reads whole shards)."""
+    folders, and a class missing from one shifts every index after it), and the training
+    split has at least one shard per rank (every rank reads whole shards, and every rank
+    trains). A test split may have fewer: the first ranks score it, one shard or more each
+    (:func:`eval_ranks`), and the others score nothing."""
     if test is not None and list(test.classes) != list(train.classes):
         raise ValueError(f"the test split {test_where} has classes {list(test.classes)[:12]} "
                          f"but the training split {train_where} has {list(train.classes)[:12]} "
                          f"(both must list the same classes in the same order: convert the "
                          f"splits together, or give the class list)")
-    short = [(m, where) for m, where in ((train, train_where), (test, test_where))
-             if m is not None and len(m.shards) < world_size]
-    if short:
-        # every split that is short at once: one conversion (one --shard-size) mends them all
-        names = "; ".join(f"{where} has {len(m.shards)} shards" for m, where in short)
-        size = min(max(1, m.num_samples // world_size) for m, _ in short)
-        raise ValueError(f"{names}, fewer than the {world_size} workers: every worker reads "
-                         f"whole shards; convert again with --shard-size at most {size}, or "
-                         f"run fewer workers")
+    if len(train.shards) < world_size:
+        size = max(1, train.num_samples // world_size)
+        raise ValueError(f"{train_where} has {len(train.shards)} shards, fewer than the "
+                         f"{world_size} workers: every worker trains on whole shards; convert "
+                         f"again with --shard-size at most {size}, or run fewer workers")
+
+
+def eval_ranks(manifest: Manifest, world_size: int) -> int:
+    """How many ranks score a split read whole-shard: one per shard up to ``world_size``
+    (ranks from there on have none of it)."""
+    return max(1, min(world_size, len(manifest.shards)))
 
 
 def check_label_view(label_view: LabelView | None, manifest: Manifest, *, where: str) -> None:

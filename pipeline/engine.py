@@ -482,12 +482,18 @@ class ShardSource:
         return _held_out_only(self._train_eval(), self._held_t)
 
     def test_batches(self) -> Iterable[Any] | None:
-        from pipeline.data import make_eval_loader
+        """This rank's share of the test split; empty on ranks past its shard count (a test
+        split with fewer shards than ranks is scored by the first ones, whole shards each,
+        and :meth:`Engine.score` sums every rank's counts)."""
+        from pipeline.data import eval_ranks, make_eval_loader
 
         if not self.test_source:
             return None
+        ranks = eval_ranks(self.test_manifest, self.world_size)
+        if self.rank >= ranks:
+            return []
         return make_eval_loader(self.test_source, None, self.cfg, rank=self.rank,
-                                world_size=self.world_size, manifest=self.test_manifest)
+                                world_size=ranks, manifest=self.test_manifest)
 
 
 # -- chain backends -----------------------------------------------------------------------------

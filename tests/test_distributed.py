@@ -440,6 +440,28 @@ def test_noisy_validation_split_of_a_distributed_run(digits, tmp_path, one_threa
     assert [r["val_top1"] for r in state["history"]] == [r["val_top1"] for r in rows]
 
 
+def test_a_test_split_with_fewer_shards_than_ranks_is_scored_once_by_the_first_ranks(digits):
+    """Digits: 13 training shards, 6 test shards, 8 ranks. Every rank trains; ranks 0-5
+    score whole test shards, each test sample exactly once, ranks 6 and 7 score nothing
+    (Engine.score sums the counts of all ranks)."""
+    from pipeline.data import LoaderConfig, load_manifest
+    from pipeline.engine import ShardSource
+
+    train, test, view = digits
+    cfg = LoaderConfig(batch_size=16, num_workers=0, preset="digits", seed=0)
+    assert len(load_manifest(test, cfg=cfg).shards) == 6
+    seen = []
+    for rank in range(8):
+        src = ShardSource(train_source=str(train), test_source=str(test), view=view,
+                          loader_cfg=cfg, rank=rank, world_size=8, held_out=None)
+        idx = [b.idx[b.valid] for b in src.test_batches()]
+        assert bool(idx) == (rank < 6), rank
+        seen += idx
+        assert next(iter(src.train_batches(0)), None) is not None  # every rank trains
+    seen = torch.cat(seen)
+    assert len(seen) == 539 and torch.equal(seen.sort().values, torch.arange(539))
+
+
 def test_a_store_counting_the_validation_split_is_refused(digits, tmp_path, one_thread):
     """Rank 0 refuses the chain state at the first checkpoint (step 7, still in CE) and
     nothing is saved."""
