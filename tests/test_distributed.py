@@ -297,7 +297,8 @@ def test_collapse_monitor_can_stop_a_distributed_run(digits, tmp_path, one_threa
     every rank together, and warns instead of raising on rank 0 alone."""
     from pipeline.monitor import CollapseMonitor
 
-    monkeypatch.setattr(CollapseMonitor, "reasons", lambda self, health, val=0.0: ["forced"])
+    monkeypatch.setattr(CollapseMonitor, "reasons",
+                        lambda self, health, val=0.0, **kw: ["forced"])
     run, dist, view, z0, counted = _local_run(digits, tmp_path, epochs=3)
     run = replace(run, monitor=MonitorConfig(stop=True))
     store = StoreActor(torch.from_numpy(view.observed), z0, 10, 10, counted=counted)
