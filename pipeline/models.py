@@ -410,8 +410,6 @@ def build_model(
     num_classes = _as_int("num_classes", num_classes, 2)
     in_channels = _as_int("in_channels", in_channels, 1)
     builder = MODELS[name]
-    if bn_momentum is not None:
-        check_bn_momentum(bn_momentum)
     if seed is None:
         model = builder(num_classes, in_channels=in_channels, pretrained=bool(pretrained))
     else:
