@@ -5,6 +5,7 @@ Protocol (one setting x one seed)::
 
     class-balanced subset of the training JPEGs (--train-size, default 20,000)
       -> label view: asym0.5 | sym0.5 (include_true) | idn0.4 (instance-dependent, Xia et al.)
+                     | clean (every label right: CE's ceiling on this budget)
       -> 5% noisy validation split carved from it (stratified, never trained on)
     CE: --epochs of SGD (lr 0.1, momentum 0.9, wd 5e-4, x0.1 at --milestones), cnn_wide
     LCCN: starts from CE's model, momentum and generator after --pretrain-epochs (the shared
@@ -28,7 +29,9 @@ Usage::
 
 LCCN options (``--warmup``, ``--targets``, ``--warmup-steps``, ``--alpha``, ``--init``) default
 to the library's defaults (:class:`pipeline.config.LCCNConfig`); ``--tag`` keeps an
-ablation's JSONs apart from the main ones.
+ablation's JSONs apart from the main ones. ``--oracle-phi`` is a diagnostic, not a method:
+LCCN samples with the label view's true transition for its whole phase, which bounds what
+any estimate of phi can give this classifier and budget.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ SETTINGS = {
     "sym0.5": ("symmetric", 0.5),
     "idn0.4": ("instance", 0.4),
     "asym0.3": ("asymmetric", 0.3),
+    "clean": ("symmetric", 0.0),  # the ceiling: every label right
 }
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 _LCCN_DEFAULTS = LCCNConfig()
@@ -148,6 +152,11 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--ramp-epochs", type=float, default=_LCCN_DEFAULTS.ramp_epochs)
     p.add_argument("--refresh-steps", type=int, default=_LCCN_DEFAULTS.refresh_steps,
                    help="LCCNConfig.refresh_steps (the paper's code: 200)")
+    p.add_argument("--oracle-phi", action="store_true",
+                   help="diagnostic, not a method: LCCN samples with the true transition of the "
+                        "label view for its whole phase (phi_init := truth, warm-up = every "
+                        "LCCN step), the bound a perfect estimate of phi gives this classifier "
+                        "and budget")
     p.add_argument("--methods", nargs="+", choices=["ce", "lccn"], default=["ce", "lccn"])
     p.add_argument("--time-epoch", action="store_true",
                    help="time one CE epoch (+ validation and test passes), then exit")
@@ -219,6 +228,8 @@ def noisy_view(name: str, clean: np.ndarray, features: torch.Tensor, seed: int) 
 def run_config(args: argparse.Namespace, method: str, seed: int, steps_per_epoch: int
                ) -> RunConfig:
     warm = steps_per_epoch if args.warmup_steps is None else args.warmup_steps
+    if getattr(args, "oracle_phi", False):  # the whole LCCN phase samples with the truth
+        warm = args.epochs * steps_per_epoch
     return RunConfig(
         method=method, seed=seed,
         model=ModelConfig(args.model, in_channels=3, bn_momentum=args.bn_momentum),
@@ -358,6 +369,8 @@ def fit_pair(args: argparse.Namespace, cfg_ce: RunConfig, cfg_lccn: RunConfig,
         lc.optimizer.load_state_dict(snap["optim"])
         lc.engine.global_step = snap["global_step"]
     lc.gen.set_state(snap["gen"])
+    if getattr(args, "oracle_phi", False) and not args.restart_control:
+        _use_true_transition(lc)
     if lc.engine.members[0].ema is not None:
         # phi_init and z come from CE's weight average (as the paper's code: its init_C
         # restores the averages; the restarted run's average then follows the new steps)
@@ -392,6 +405,23 @@ def fit_pair(args: argparse.Namespace, cfg_ce: RunConfig, cfg_lccn: RunConfig,
     print("learned phi[k, j] = P(observed=j | latent=k):\n"
           + format_transition(lc.transition().numpy(), rows="latent"))
     return out
+
+
+def _use_true_transition(lc: LocalTrainer) -> None:
+    """``--oracle-phi``: the chain's warm-up transition is the label view's true one
+    (its warm-up spans the run), so LCCN's only error is its classifier's."""
+    method = lc.engine.method
+    start = method.start_noise_phase
+
+    def start_with_truth(epoch: int) -> dict[str, float]:
+        stats = start(epoch)
+        truth = lc.engine.data.transition
+        if truth is None:
+            raise ValueError("--oracle-phi needs a label view with a known transition")
+        method.phi_init = torch.as_tensor(truth, dtype=torch.float64).clone()
+        return stats
+
+    method.start_noise_phase = start_with_truth
 
 
 _KEY_DEFAULTS = {"bn_momentum": None, "normalise": "channel"}

@@ -149,6 +149,19 @@ def test_per_image_standardisation_and_bn_momentum_reach_every_network(bench, sh
         assert all(0 <= r["test_top1"] <= 1 for r in entry["history"])
 
 
+def test_oracle_phi_samples_with_the_views_true_transition_for_the_whole_phase(
+        bench, shared_data, tmp_path, one_thread):
+    r = bench["main"](_argv(shared_data, tmp_path / "o", tmp_path / "cache", "--oracle-phi",
+                            "--methods", "lccn"))[0]
+    lccn = r["methods"]["lccn"]
+    assert lccn["phi_init"] == r["true_transition"]  # the truth, not the anchor estimate
+    steps = lccn["history"][-1]["global_step"] - lccn["history"][0]["global_step"]
+    assert lccn["config"]["lccn"]["warmup_steps"] >= steps  # no step samples with counts
+    plain = bench["main"](_argv(shared_data, tmp_path / "p", tmp_path / "cache",
+                                "--methods", "lccn"))[0]["methods"]["lccn"]
+    assert plain["phi_init"] != r["true_transition"]
+
+
 def test_bench_imports_without_the_cluster_packages():
     """The GPU node runs this script with only a CUDA PyTorch image."""
     import subprocess
