@@ -228,7 +228,7 @@ def noisy_view(name: str, clean: np.ndarray, features: torch.Tensor, seed: int) 
 def run_config(args: argparse.Namespace, method: str, seed: int, steps_per_epoch: int
                ) -> RunConfig:
     warm = steps_per_epoch if args.warmup_steps is None else args.warmup_steps
-    if getattr(args, "oracle_phi", False):  # the whole LCCN phase samples with the truth
+    if args.oracle_phi:  # the whole LCCN phase samples with the truth
         warm = args.epochs * steps_per_epoch
     return RunConfig(
         method=method, seed=seed,
@@ -369,7 +369,7 @@ def fit_pair(args: argparse.Namespace, cfg_ce: RunConfig, cfg_lccn: RunConfig,
         lc.optimizer.load_state_dict(snap["optim"])
         lc.engine.global_step = snap["global_step"]
     lc.gen.set_state(snap["gen"])
-    if getattr(args, "oracle_phi", False) and not args.restart_control:
+    if args.oracle_phi:
         _use_true_transition(lc)
     if lc.engine.members[0].ema is not None:
         # phi_init and z come from CE's weight average (as the paper's code: its init_C
@@ -649,6 +649,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                 "setting and one seed")
     if args.restart_control and not args.restart:
         get_args_parser().error("--restart-control needs --restart")
+    if args.oracle_phi and ("lccn" not in args.methods or args.restart_control):
+        get_args_parser().error("--oracle-phi changes the LCCN run: use it with --methods lccn "
+                                "and without --restart-control")
     if args.restart:  # CE's whole run is LCCN's pre-training
         args.pretrain_epochs = args.epochs
     torch.set_num_threads(args.threads)

@@ -160,6 +160,9 @@ def test_oracle_phi_samples_with_the_views_true_transition_for_the_whole_phase(
     plain = bench["main"](_argv(shared_data, tmp_path / "p", tmp_path / "cache",
                                 "--methods", "lccn"))[0]["methods"]["lccn"]
     assert plain["phi_init"] != r["true_transition"]
+    with pytest.raises(SystemExit):  # no LCCN run for the truth to change
+        bench["main"](_argv(shared_data, tmp_path / "c", tmp_path / "cache", "--oracle-phi",
+                            "--methods", "ce"))
 
 
 def test_bench_imports_without_the_cluster_packages():
