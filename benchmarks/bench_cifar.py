@@ -149,6 +149,10 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--targets", choices=["posterior", "sample", "map"],
                    default=_LCCN_DEFAULTS.targets)
     p.add_argument("--init", choices=["argmax", "observed"], default=_LCCN_DEFAULTS.init)
+    p.add_argument("--warmup-prior", choices=["model", "deconvolved"],
+                   default=_LCCN_DEFAULTS.warmup_prior,
+                   help="Eq. 7's prior during the warm-up: the classifier, or the classifier "
+                        "read as the noisy posterior and deconvolved through phi_init")
     p.add_argument("--ramp-epochs", type=float, default=_LCCN_DEFAULTS.ramp_epochs)
     p.add_argument("--refresh-steps", type=int, default=_LCCN_DEFAULTS.refresh_steps,
                    help="LCCNConfig.refresh_steps (the paper's code: 200)")
@@ -241,6 +245,7 @@ def run_config(args: argparse.Namespace, method: str, seed: int, steps_per_epoch
         perf=PerfConfig(compile=args.compile),
         lccn=LCCNConfig(alpha=args.alpha, warmup_steps=warm, warmup=args.warmup,
                         targets=args.targets, init=args.init,
+                        warmup_prior=args.warmup_prior,
                         ramp_epochs=args.ramp_epochs, refresh_steps=args.refresh_steps))
 
 

@@ -348,6 +348,12 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
                    help="LCCN steps sampling with phi_init (delta)")
     m.add_argument("--warmup", choices=("anchor", "eq8", "identity"), default=None,
                    help="how phi_init is estimated (LCCNConfig.warmup)")
+    m.add_argument("--warmup-prior", choices=("model", "deconvolved"),
+                   default=LCCNConfig.warmup_prior,
+                   help="Eq. 7's prior during the warm-up: the classifier (the paper), or the "
+                        "CE classifier read as the noisy posterior and deconvolved through "
+                        "phi_init (LCCNConfig.warmup_prior: for pair-flip noise; it collapses "
+                        "under symmetric noise)")
     m.add_argument("--targets", choices=("sample", "posterior", "map"),
                    default=None,
                    help="what the classifier trains on in the LCCN phase (LCCNConfig.targets)")
@@ -456,6 +462,7 @@ def run_config(args: argparse.Namespace) -> RunConfig:
                           milestones=tuple(args.milestones), lr_decay=args.lr_decay,
                           ema_decay=args.ema_decay, norm_weight_decay=args.norm_weight_decay),
         lccn=LCCNConfig(alpha=args.alpha, warmup_steps=args.warmup_steps, warmup=args.warmup,
+                        warmup_prior=args.warmup_prior,
                         targets=args.targets, ramp_epochs=args.ramp_epochs, anneal=anneal,
                         outlier=args.outlier, outlier_prior=getattr(args, "outlier_prior", 0.0),
                         use_trusted=uses_trusted(args),

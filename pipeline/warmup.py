@@ -81,6 +81,43 @@ def initial_assignment(observed: Tensor, *, probs: Tensor | None = None,
     raise ValueError(f"unknown initial assignment mode {mode!r}; use 'argmax' or 'observed'")
 
 
+def deconvolve(probs: Tensor, phi: Tensor, *, iters: int = 50) -> Tensor:
+    """The clean posterior behind a noisy one: the ``q (B, K_latent)`` on the simplex whose
+    prediction of the observed label through ``phi`` matches ``probs``, i.e. that minimises
+    ``KL(probs || q @ phi)``.
+
+    A classifier trained with cross-entropy on the observed labels estimates the noisy
+    posterior ``P(ỹ | x) = Σ_k P(k | x) phi[k, ·]``, but Eq. 7 wants the clean ``P(k | x)``
+    as its prior. Reading the first as the second counts the noise twice: a cat image
+    labelled "dog" under a 0.5 cat→dog flip, whose CE classifier says 0.5 cat / 0.5 dog,
+    is drawn back to cat with probability 1/3, not 1, and ``phi[cat, dog]`` is then
+    counted near 0.25 instead of 0.5. The solution comes from ``iters`` EM updates
+    ``q <- q * (phi @ (probs / (q @ phi)))`` from ``q = probs`` (each keeps q on the
+    simplex and does not increase the KL); where ``phi`` is invertible and ``probs`` in
+    its range they converge to ``probs @ inv(phi)``.
+
+    probs: (B, K_latent), rows on the simplex (K_latent = K: the observed classes; K + 1:
+    LCCN*, whose outlier probability is deconvolved with the rest); phi: (K_latent, K),
+    rows sum to 1. Returns (B, K_latent) in the dtype of ``probs``.
+    """
+    if probs.ndim != 2 or phi.ndim != 2 or probs.shape[1] != phi.shape[0]:
+        raise ValueError(f"probs (B, K_latent) and phi (K_latent, K) disagree: "
+                         f"{tuple(probs.shape)} vs {tuple(phi.shape)}")
+    if iters < 1:
+        raise ValueError(f"iters must be >= 1, got {iters}")
+    t = phi.to(probs.device, torch.float64)
+    k = t.shape[1]
+    p = probs.to(torch.float64)
+    # the noisy posterior over the K observed classes (LCCN*: the outlier output of a
+    # classifier trained on K classes is read as its share of every class)
+    target = p[:, :k] / p[:, :k].sum(1, keepdim=True).clamp_min(1e-300)
+    q = p / p.sum(1, keepdim=True).clamp_min(1e-300)
+    for _ in range(iters):
+        q = q * ((target / (q @ t).clamp_min(1e-300)) @ t.T)
+        q = q / q.sum(1, keepdim=True).clamp_min(1e-300)
+    return q.to(probs.dtype)
+
+
 def anchor_transition(probs: Tensor, num_classes: int, *, quantile: float = 0.97,
                       bins: int = 1000, reduce=None) -> Tensor:
     """The anchor-point estimate of phi (Patrini et al. 2017, "Making deep neural networks

@@ -20,7 +20,7 @@ from pipeline.losses import clipped_cross_entropy, soft_cross_entropy
 from pipeline.monitor import ChainCollapsed, CollapseMonitor, CollapseWarning, chain_health
 from pipeline.noise import instance_dependent, make_view, symmetric
 from pipeline.sampler import gibbs_posterior, gibbs_step
-from pipeline.warmup import anchor_transition, estimate_phi_init, soft_confusion
+from pipeline.warmup import anchor_transition, deconvolve, estimate_phi_init, soft_confusion
 
 
 def _noisy_posteriors(t: np.ndarray, n: int, *, sharp: float, seed: int):
@@ -88,6 +88,69 @@ def test_anchor_estimate_with_an_outlier_output_has_a_uniform_outlier_row():
     assert torch.allclose(phi.sum(1), torch.ones(5, dtype=torch.float64))
     with pytest.raises(ValueError, match="quantile"):
         anchor_transition(probs[:, :4], 4, quantile=1.0)
+
+
+def test_deconvolve_recovers_the_clean_posterior_behind_a_noisy_one():
+    k = 6
+    t = 0.5 * np.eye(k) + 0.5 / k                           # symmetric 0.5 (include_true)
+    t[1] = 0.0
+    t[1, 1], t[1, 4] = 0.5, 0.5                             # plus a 0.5 pair flip 1 -> 4
+    clean, noisy, _ = _noisy_posteriors(t, 400, sharp=0.5, seed=2)
+    q = deconvolve(noisy, torch.from_numpy(t), iters=400)
+    assert q.shape == noisy.shape and q.dtype == noisy.dtype
+    assert torch.allclose(q.sum(1), torch.ones(400, dtype=torch.float64))
+    # an invertible t: the EM updates reach clean = noisy @ inv(t); the error left is
+    # that of the slow last steps towards the simplex's boundary (the one-hot samples)
+    assert (q - clean).abs().max() < 0.02
+    assert (noisy - clean).abs().max() > 0.4
+    # the case the option is for: a CE classifier at 0.5 / 0.5 on an image of class 1
+    # (half its labels flipped to 4) deconvolves to class 1, and Eq. 7 then draws it
+    # back to 1 whatever its label; read as the clean posterior it gives under half for
+    # label 4 (1/3 where row 4 is clean; here 0.46, row 4 being 0.58 on its own label)
+    p = torch.zeros(1, k, dtype=torch.float32)
+    p[0, 1] = p[0, 4] = 0.5
+    prior = deconvolve(p, torch.from_numpy(t))
+    assert prior.dtype == torch.float32 and float(prior[0, 1]) > 0.97
+    phi = torch.from_numpy(t)
+    post_model = p[0].double() * phi[:, 4] / (p[0].double() * phi[:, 4]).sum()
+    post_deconv = prior[0].double() * phi[:, 4] / (prior[0].double() * phi[:, 4]).sum()
+    assert float(post_model[1]) < 0.5 and float(post_deconv[1]) > 0.9
+    with pytest.raises(ValueError, match="disagree"):
+        deconvolve(noisy[:, :5], phi)
+
+
+def test_labeler_reads_the_deconvolved_prior_during_the_warm_up_only():
+    k, n = 4, 32
+    g = torch.Generator().manual_seed(5)
+    observed = torch.randint(0, k, (n,), generator=g)
+    z0 = torch.randint(0, k, (n,), generator=g)
+    phi = torch.full((k, k), 0.1, dtype=torch.float64) + 0.6 * torch.eye(k, dtype=torch.float64)
+    store = ConfusionStore(observed, z0, k, k)
+    cfg = LCCNConfig(warmup_steps=1, warmup_prior="deconvolved", commit_every=1)
+    lab = GibbsLabeler(cfg, store, store.counts, store.version, phi_init=phi, max_steps=10,
+                       generator=torch.Generator().manual_seed(7))
+    idx = torch.arange(16)
+    probs = torch.softmax(torch.randn(16, k, generator=g), 1)
+    lab.prefetch(idx)
+    counts = lab.counts.clone()
+    _, stats = lab.sample(probs, observed[idx], idx)
+    prior = deconvolve(probs, phi)
+    assert torch.allclose(stats.posterior.double(), gibbs_posterior(
+        prior, observed[idx], z0[idx], counts, 1.0, phi=phi).double(), atol=1e-6)
+    assert not torch.allclose(stats.posterior.double(), gibbs_posterior(
+        probs, observed[idx], z0[idx], counts, 1.0, phi=phi).double(), atol=1e-3)
+    # past the warm-up: the classifier itself, with the counts (Eq. 7 as ever)
+    store = ConfusionStore(observed, z0, k, k)
+    past = GibbsLabeler(LCCNConfig(warmup_steps=0, warmup_prior="deconvolved"), store,
+                        store.counts, store.version, phi_init=phi, max_steps=10,
+                        generator=torch.Generator().manual_seed(7))
+    past.prefetch(idx)
+    _, later = past.sample(probs, observed[idx], idx)
+    assert later.warmup is False
+    assert torch.allclose(later.posterior.double(), gibbs_posterior(
+        probs, observed[idx], z0[idx], counts, 1.0).double(), atol=1e-6)
+    with pytest.raises(ValueError, match="warmup_prior"):
+        LCCNConfig(warmup_prior="clean")
 
 
 def test_soft_cross_entropy_is_the_expected_clipped_loss():

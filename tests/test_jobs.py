@@ -88,6 +88,15 @@ def test_refresh_steps_is_an_option_of_the_lccn_jobs():
         _configs(cifar_lccn, ["--data", "/x", "--refresh-steps", "0"])
 
 
+def test_warmup_prior_is_an_option_of_the_lccn_jobs():
+    _, run = _configs(cifar_lccn, ["--data", "/x"])
+    assert run.lccn.warmup_prior == "model"
+    _, run = _configs(webvision_divide_lccn, ["--data", "/x", "--warmup-prior", "deconvolved"])
+    assert run.lccn.warmup_prior == "deconvolved"
+    with pytest.raises(SystemExit):
+        _configs(cifar_lccn, ["--data", "/x", "--warmup-prior", "clean"])
+
+
 def test_collapse_val_drop_reaches_the_monitor():
     _, run = _configs(cifar_lccn, ["--data", "/x"])
     assert run.monitor.val_drop == 0.10 and not run.monitor.stop
