@@ -205,22 +205,6 @@ class BaselineConfig:
         from Eq. 8 (Goldberger & Ben-Reuven 2017).
     transition_file: the matrix for ``transition="file"`` (an absolute path in a
         distributed run: every worker reads it).
-    warmup_prior: what Eq. 7 reads as the prior P(z | x) during the warm-up (and the
-        ``argmax`` initial assignment). ``"model"`` (default, the paper): the classifier's
-        probabilities. ``"deconvolved"``: the classifier read as what CE pre-training made
-        it, the *noisy* posterior P(ỹ | x) (as the anchor estimate reads it), and turned
-        into the clean one through ``phi_init`` (:func:`pipeline.warmup.deconvolve`). The
-        paper's reading counts the noise twice: under a 0.5 cat→dog flip a CE classifier
-        says 0.5 / 0.5 on a cat labelled dog, Eq. 7 draws it back to cat with probability
-        1/3 instead of 1, and the counts that take over after the warm-up start from
-        ``phi[cat, dog]`` near 0.25 instead of 0.5, where they stay (with posterior targets
-        every such split is a fixed point). On CIFAR-10 at asymmetric 0.5 (CPU benchmark,
-        three seeds) the deconvolved prior takes the φ error from 0.015 to 0.009 and the
-        accuracy up 0.9 points, after a first LCCN epoch that overshoots (z relabels more
-        than the noise did). Off by default: from a flat classifier under symmetric or
-        instance-dependent noise the deconvolution amplifies its errors and the warm-up
-        collapses for an epoch (once ending 3.9 points below CE;
-        benchmarks/results/cifar.md). For noise that flips class pairs.
     anchor_quantile: the anchors of class k are the samples whose P(k | x) is at or above
         this quantile (0.97 as Patrini et al. and Xia et al.).
     revision_fraction: T-Revision's revision stage takes this last fraction of the noise

@@ -119,16 +119,20 @@ def test_deconvolve_recovers_the_clean_posterior_behind_a_noisy_one():
         deconvolve(noisy[:, :5], phi)
 
 
+def _labeler(cfg: LCCNConfig, observed, z0, k: int, phi) -> GibbsLabeler:
+    """A one-worker labeler over a fresh store of ``observed`` / ``z0``, drawing from seed 7."""
+    store = ConfusionStore(observed, z0, k, k)
+    return GibbsLabeler(cfg, store, store.counts, store.version, phi_init=phi, max_steps=10,
+                        generator=torch.Generator().manual_seed(7))
+
+
 def test_labeler_reads_the_deconvolved_prior_during_the_warm_up_only():
     k, n = 4, 32
     g = torch.Generator().manual_seed(5)
     observed = torch.randint(0, k, (n,), generator=g)
     z0 = torch.randint(0, k, (n,), generator=g)
     phi = torch.full((k, k), 0.1, dtype=torch.float64) + 0.6 * torch.eye(k, dtype=torch.float64)
-    store = ConfusionStore(observed, z0, k, k)
-    cfg = LCCNConfig(warmup_steps=1, warmup_prior="deconvolved", commit_every=1)
-    lab = GibbsLabeler(cfg, store, store.counts, store.version, phi_init=phi, max_steps=10,
-                       generator=torch.Generator().manual_seed(7))
+    lab = _labeler(LCCNConfig(warmup_steps=1, warmup_prior="deconvolved"), observed, z0, k, phi)
     idx = torch.arange(16)
     probs = torch.softmax(torch.randn(16, k, generator=g), 1)
     lab.prefetch(idx)
@@ -140,10 +144,8 @@ def test_labeler_reads_the_deconvolved_prior_during_the_warm_up_only():
     assert not torch.allclose(stats.posterior.double(), gibbs_posterior(
         probs, observed[idx], z0[idx], counts, 1.0, phi=phi).double(), atol=1e-3)
     # past the warm-up: the classifier itself, with the counts (Eq. 7 as ever)
-    store = ConfusionStore(observed, z0, k, k)
-    past = GibbsLabeler(LCCNConfig(warmup_steps=0, warmup_prior="deconvolved"), store,
-                        store.counts, store.version, phi_init=phi, max_steps=10,
-                        generator=torch.Generator().manual_seed(7))
+    past = _labeler(LCCNConfig(warmup_steps=0, warmup_prior="deconvolved"), observed, z0, k,
+                    phi)
     past.prefetch(idx)
     _, later = past.sample(probs, observed[idx], idx)
     assert later.warmup is False
@@ -185,10 +187,7 @@ def test_labeler_posterior_is_the_eq7_conditional_and_draws_are_unchanged():
     g = torch.Generator().manual_seed(3)
     observed = torch.randint(0, k, (n,), generator=g)
     z0 = torch.randint(0, k, (n,), generator=g)
-    store = ConfusionStore(observed, z0, k, k)
-    lab = GibbsLabeler(LCCNConfig(alpha=0.5), store, store.counts, store.version,
-                       phi_init=torch.eye(k, dtype=torch.float64), max_steps=10,
-                       generator=torch.Generator().manual_seed(7))
+    lab = _labeler(LCCNConfig(alpha=0.5), observed, z0, k, torch.eye(k, dtype=torch.float64))
     idx = torch.arange(16)
     probs = torch.softmax(torch.randn(16, k, generator=g), 1)
     lab.prefetch(idx)
