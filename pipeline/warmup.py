@@ -118,6 +118,19 @@ def deconvolve(probs: Tensor, phi: Tensor, *, iters: int = 50) -> Tensor:
     return q.to(probs.dtype)
 
 
+def warmup_prior(mode: str, probs: Tensor, phi_init: Tensor, *, chunk: int = 65536) -> Tensor:
+    """What Eq. 7 reads as the prior during the warm-up for ``LCCNConfig.warmup_prior``
+    ``mode``: ``probs (N, K_latent)`` themselves (``"model"``) or deconvolved through
+    ``phi_init`` (``"deconvolved"``, :func:`deconvolve`, in chunks of ``chunk`` rows so a
+    whole split's N x K float64 copies stay bounded). The ``argmax`` initial assignment
+    takes its arg max, so the chain starts where the warm-up's draws point."""
+    if mode == "model":
+        return probs
+    if mode == "deconvolved":
+        return torch.cat([deconvolve(p, phi_init) for p in probs.split(chunk)])
+    raise ValueError(f"unknown warmup_prior {mode!r}; use 'model' or 'deconvolved'")
+
+
 def anchor_transition(probs: Tensor, num_classes: int, *, quantile: float = 0.97,
                       bins: int = 1000, reduce=None) -> Tensor:
     """The anchor-point estimate of phi (Patrini et al. 2017, "Making deep neural networks

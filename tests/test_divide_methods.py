@@ -195,6 +195,34 @@ def test_divide_lccn_keeps_one_valid_chain_per_network(runs, digits):
     assert 0 < last["changed"] < 1
 
 
+def test_divide_lccn_starts_each_chain_at_its_warm_up_prior(digits, monkeypatch):
+    """With ``warmup_prior="deconvolved"`` each network's initial assignment is the arg max
+    of its deconvolved prediction, the prior its warm-up draws read (as in LCCN)."""
+    seen = []
+    real_prior, real_init = divide_methods.warmup_prior, divide_methods.initial_assignment
+
+    def prior(mode, probs, phi):
+        out = real_prior(mode, probs, phi)
+        seen.append(("prior", mode, probs, out))
+        return out
+
+    def init(observed, *, probs, mode):
+        z0 = real_init(observed, probs=probs, mode=mode)
+        seen.append(("init", probs, z0))
+        return z0
+
+    monkeypatch.setattr(divide_methods, "warmup_prior", prior)
+    monkeypatch.setattr(divide_methods, "initial_assignment", init)
+    cfg = replace(_cfg("divide_lccn", epochs=3, pretrain=2),
+                  lccn=LCCNConfig(warmup_prior="deconvolved"))
+    LocalTrainer(cfg, *digits).fit()
+    assert [s[0] for s in seen] == ["prior", "init", "prior", "init"]   # one per network
+    for (_, mode, probs, out), (_, got, z0) in zip(seen[0::2], seen[1::2]):
+        assert mode == "deconvolved" and got is out
+        assert not torch.allclose(out, probs)               # the prior was deconvolved
+        assert torch.equal(z0, out.argmax(1))
+
+
 def test_divide_lccn_co_refinement_is_co_refine_lccn_of_its_chain(digits, monkeypatch):
     """Inside the method, the labelled rows' targets equal co_refine_lccn on the same
     prediction, with the conditional transition recomputed from the network's own store

@@ -20,7 +20,8 @@ from pipeline.losses import clipped_cross_entropy, soft_cross_entropy
 from pipeline.monitor import ChainCollapsed, CollapseMonitor, CollapseWarning, chain_health
 from pipeline.noise import instance_dependent, make_view, symmetric
 from pipeline.sampler import gibbs_posterior, gibbs_step
-from pipeline.warmup import anchor_transition, deconvolve, estimate_phi_init, soft_confusion
+from pipeline.warmup import (anchor_transition, deconvolve, estimate_phi_init, soft_confusion,
+                             warmup_prior)
 
 
 def _noisy_posteriors(t: np.ndarray, n: int, *, sharp: float, seed: int):
@@ -153,6 +154,11 @@ def test_labeler_reads_the_deconvolved_prior_during_the_warm_up_only():
         probs, observed[idx], z0[idx], counts, 1.0).double(), atol=1e-6)
     with pytest.raises(ValueError, match="warmup_prior"):
         LCCNConfig(warmup_prior="clean")
+    # the whole split's prior (the argmax initial assignment), in chunks
+    assert warmup_prior("model", probs, phi) is probs
+    assert torch.allclose(warmup_prior("deconvolved", probs, phi, chunk=5), prior)
+    with pytest.raises(ValueError, match="warmup_prior 'clean'"):
+        warmup_prior("clean", probs, phi)
 
 
 def test_soft_cross_entropy_is_the_expected_clipped_loss():
