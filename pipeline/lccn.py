@@ -37,7 +37,7 @@ from pipeline.config import LCCNConfig
 from pipeline.confusion import apply_delta_, apply_moves_host, as_alpha, transition
 from pipeline.confusion_store import Sync
 from pipeline.fastpath import to_device
-from pipeline.warmup import deconvolve
+from pipeline.warmup import warmup_prior
 from pipeline.sampler import (HOST_MAX_LATENT, anneal_gamma, check_range,
                               conditional_transition, gibbs_draw, gibbs_draw_host, gibbs_posterior,
                               sample_categorical)
@@ -302,8 +302,8 @@ class GibbsLabeler:
         z_old = self._pending[1]
         warm = self.step_count < self.cfg.warmup_steps
         phi = self.transition(warm)
-        if warm and self.cfg.warmup_prior == "deconvolved":
-            probs = deconvolve(probs.detach(), self.phi_init)
+        if warm:
+            probs = warmup_prior(self.cfg.warmup_prior, probs, self.phi_init)
         probs = self.outlier_proposal(probs)
         counted = None
         if self.trusted is not None:

@@ -127,8 +127,20 @@ def warmup_prior(mode: str, probs: Tensor, phi_init: Tensor, *, chunk: int = 655
     if mode == "model":
         return probs
     if mode == "deconvolved":
+        probs = probs.detach()
+        if len(probs) <= chunk:
+            return deconvolve(probs, phi_init)
         return torch.cat([deconvolve(p, phi_init) for p in probs.split(chunk)])
     raise ValueError(f"unknown warmup_prior {mode!r}; use 'model' or 'deconvolved'")
+
+
+def initial_latents(cfg, observed: Tensor, probs: Tensor, phi_init: Tensor) -> Tensor:
+    """The chain's first ``z (N,) int64`` for ``cfg`` (an
+    :class:`~pipeline.config.LCCNConfig`): with ``cfg.init == "argmax"`` the arg max of the
+    prior the warm-up's draws read (:func:`warmup_prior`), so the chain starts where they
+    point; with ``"observed"`` the observed labels."""
+    prior = warmup_prior(cfg.warmup_prior, probs, phi_init) if cfg.init == "argmax" else probs
+    return initial_assignment(observed, probs=prior, mode=cfg.init)
 
 
 def anchor_transition(probs: Tensor, num_classes: int, *, quantile: float = 0.97,

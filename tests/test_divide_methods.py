@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline import divide as divide_maths
+from pipeline import warmup
 from pipeline.config import DivideConfig, LCCNConfig, ModelConfig, OptimConfig, RunConfig
 from pipeline.confusion import count_matrix
 from pipeline.digits import clean_view, load_digits_arrays, split_indices, to_tensor
@@ -199,7 +200,7 @@ def test_divide_lccn_starts_each_chain_at_its_warm_up_prior(digits, monkeypatch)
     """With ``warmup_prior="deconvolved"`` each network's initial assignment is the arg max
     of its deconvolved prediction, the prior its warm-up draws read (as in LCCN)."""
     seen = []
-    real_prior, real_init = divide_methods.warmup_prior, divide_methods.initial_assignment
+    real_prior, real_init = warmup.warmup_prior, warmup.initial_assignment
 
     def prior(mode, probs, phi):
         out = real_prior(mode, probs, phi)
@@ -211,8 +212,8 @@ def test_divide_lccn_starts_each_chain_at_its_warm_up_prior(digits, monkeypatch)
         seen.append(("init", probs, z0))
         return z0
 
-    monkeypatch.setattr(divide_methods, "warmup_prior", prior)
-    monkeypatch.setattr(divide_methods, "initial_assignment", init)
+    monkeypatch.setattr(warmup, "warmup_prior", prior)
+    monkeypatch.setattr(warmup, "initial_assignment", init)
     cfg = replace(_cfg("divide_lccn", epochs=3, pretrain=2),
                   lccn=LCCNConfig(warmup_prior="deconvolved"))
     LocalTrainer(cfg, *digits).fit()

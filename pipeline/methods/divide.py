@@ -51,7 +51,7 @@ from pipeline.engine import all_gather_rows, transition_error
 from pipeline.loop import _lookahead, noisy_nll_sum, predict
 from pipeline.methods.base import Method, register
 from pipeline.monitor import CollapseMonitor, chain_health
-from pipeline.warmup import estimate_phi_init, initial_assignment, warmup_prior
+from pipeline.warmup import estimate_phi_init, initial_latents
 
 
 def _mix_seed(seed: int, rank: int, step: int, net: int) -> int:
@@ -438,10 +438,7 @@ class DivideLCCN(DivideMix):
             observed = data.observed[idx]
             phi = estimate_phi_init(self.lc, probs, observed, self.num_classes,
                                     self.num_classes, reduce=eng.reduce_cpu)
-            # argmax init: the arg max of the prior the warm-up's draws read
-            prior = (warmup_prior(self.lc.warmup_prior, probs, phi)
-                     if self.lc.init == "argmax" else probs)
-            z0 = initial_assignment(observed, probs=prior, mode=self.lc.init)
+            z0 = initial_latents(self.lc, observed, probs, phi)
             eng.chain[k].start(idx, z0, k_latent=self.num_classes, trusted=None,
                                clean=data.clean)
             phis.append(phi)

@@ -21,7 +21,7 @@ from pipeline.lccn import GibbsLabeler
 from pipeline.loop import predict, train_one_epoch
 from pipeline.methods.base import Method, register
 from pipeline.monitor import CollapseMonitor, chain_health
-from pipeline.warmup import estimate_phi_init, initial_assignment, warmup_prior
+from pipeline.warmup import estimate_phi_init, initial_latents
 
 
 OUTLIERS_FILE = "outliers.csv"
@@ -108,9 +108,7 @@ class LCCN(Method):
         phi_init = estimate_phi_init(lc, probs, observed, eng.k_latent, self.num_classes,
                                      reduce=eng.reduce_cpu)
         self.pretrained_probs = probs
-        # argmax init: the arg max of the prior the warm-up's draws read
-        prior = warmup_prior(lc.warmup_prior, probs, phi_init) if lc.init == "argmax" else probs
-        z0 = initial_assignment(observed, probs=prior, mode=lc.init)
+        z0 = initial_latents(lc, observed, probs, phi_init)
         eng.chain.start(idx, z0, k_latent=eng.k_latent, trusted=self.trusted, clean=data.clean)
         self.phi_init = phi_init
         self.monitor.start(eng.val_top1(), lr=eng.trained_lr())
