@@ -40,8 +40,8 @@ import ray
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pipeline.confusion_store import ConfusionStore, Sync  # noqa: E402
-from pipeline.store_actor import StoreActor  # noqa: E402
+from pipeline.core.confusion_store import ConfusionStore, Sync  # noqa: E402
+from pipeline.dist.store_actor import StoreActor  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         args.duration, args.warmup, args.repeats = 1.0, 0.5, 1
 
     torch.set_num_threads(1)
-    from pipeline.ray_train import init_ray  # local Ray bound to 127.0.0.1
+    from pipeline.dist.ray_train import init_ray  # local Ray bound to 127.0.0.1
 
     init_ray(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
     rows, base = [], {}

@@ -99,9 +99,10 @@ def final_val_nll(summary: dict) -> float | None:
         return nll
     import torch
 
-    from pipeline.confusion import transition
-    from pipeline.label_issues import STATE_KEY, _chain0
-    from pipeline.loop import noisy_nll_of
+    from pipeline.core.confusion import transition
+    from pipeline.core.posterior import STATE_KEY
+    from pipeline.track.label_issues import _chain0
+    from pipeline.train.loop import noisy_nll_of
 
     ckpts = sorted(Path(summary["run_dir"], "train", summary["run_name"]).glob(
         "checkpoint_*/state.pt"))

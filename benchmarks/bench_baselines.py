@@ -30,11 +30,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.config import (BaselineConfig, LCCNConfig, ModelConfig, OptimConfig,  # noqa: E402
-                             RunConfig)
-from pipeline.digits import clean_view, load_digits_arrays, split_indices, to_tensor  # noqa: E402
-from pipeline.noise import CIFAR10_ASYM_MAP, pair_flip  # noqa: E402
-from pipeline.trainer import LocalTrainer, TensorData, select_epoch  # noqa: E402
+from pipeline.core.config import BaselineConfig, LCCNConfig, ModelConfig, OptimConfig, RunConfig
+from pipeline.core.noise import CIFAR10_ASYM_MAP, pair_flip  # noqa: E402
+from pipeline.data.digits import clean_view, load_digits_arrays, split_indices, to_tensor  # noqa: E402
+from pipeline.train.trainer import LocalTrainer, TensorData, select_epoch  # noqa: E402
 
 METHODS = ("ce", "bootstrap", "forward", "forward-oracle", "sadapt", "trevision", "lccn")
 

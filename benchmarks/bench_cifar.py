@@ -28,7 +28,7 @@ Usage::
     python benchmarks/bench_cifar.py --time-epoch        # size the schedule
 
 LCCN options (``--warmup``, ``--targets``, ``--warmup-steps``, ``--alpha``, ``--init``) default
-to the library's defaults (:class:`pipeline.config.LCCNConfig`); ``--tag`` keeps an
+to the library's defaults (:class:`pipeline.core.config.LCCNConfig`); ``--tag`` keeps an
 ablation's JSONs apart from the main ones. ``--oracle-phi`` is a diagnostic, not a method:
 LCCN samples with the label view's true transition for its whole phase, which bounds what
 any estimate of phi can give this classifier and budget.
@@ -52,15 +52,25 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.cifar_memory import (RandomCropFlip, channel_stats, load_cifar10,  # noqa: E402
-                                   normalise)
-from pipeline.config import (COMPILES, LCCNConfig, ModelConfig, OptimConfig,  # noqa: E402
-                             PerfConfig, RunConfig)
-from pipeline.labels import LabelView  # noqa: E402
-from pipeline.noise import (asymmetric_cifar10, clean_view, format_transition,  # noqa: E402
-                            instance_dependent, symmetric)
-from pipeline.trainer import LocalTrainer, TensorData, select_epoch  # noqa: E402
-from pipeline.transforms import PerImageStandardize  # noqa: E402
+from pipeline.core.config import (
+    COMPILES,
+    LCCNConfig,
+    ModelConfig,
+    OptimConfig,
+    PerfConfig,
+    RunConfig,
+)
+from pipeline.core.labels import LabelView  # noqa: E402
+from pipeline.core.noise import (
+    asymmetric_cifar10,
+    clean_view,
+    format_transition,
+    instance_dependent,
+    symmetric,
+)
+from pipeline.data.cifar_memory import RandomCropFlip, channel_stats, load_cifar10, normalise
+from pipeline.data.transforms import PerImageStandardize  # noqa: E402
+from pipeline.train.trainer import LocalTrainer, TensorData, select_epoch  # noqa: E402
 
 SETTINGS = {
     "asym0.5": ("asymmetric", 0.5),

@@ -9,7 +9,7 @@ Protocol (one setting, seed and method per run; every method the same):
   from the training labels, never trained on, used for the selected epoch;
 - settings: ``asym0.5``, ``sym0.5``, ``idn0.4`` as in bench_cifar.py, and ``open0.3``: 30%
   of the training images replaced by a pixel-shuffled copy (out of distribution, observed
-  label kept; ``pipeline.noise.open_set``);
+  label kept; ``pipeline.core.noise.open_set``);
 - ``cnn_wide``, SGD lr 0.1, momentum 0.9, weight decay 5e-4, batch 128, ``--epochs`` with
   lr x0.1 at ``--milestones``, the first ``--pretrain-epochs`` cross-entropy for every method
   (DivideMix's warm-up, LCCN's pre-training, the baselines' transition estimate);
@@ -42,10 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_cifar  # noqa: E402
-from pipeline.cifar_memory import (RandomCropFlip, channel_stats, load_cifar10,  # noqa: E402
-                                    normalise)
-from pipeline.noise import clean_view, open_set, shuffle_pixels, trusted_subset  # noqa: E402
-from pipeline.trainer import LocalTrainer, TensorData  # noqa: E402
+
+from pipeline.core.noise import clean_view, open_set, shuffle_pixels, trusted_subset  # noqa: E402
+from pipeline.data.cifar_memory import RandomCropFlip, channel_stats, load_cifar10, normalise
+from pipeline.train.trainer import LocalTrainer, TensorData  # noqa: E402
 
 METHODS = ("ce", "bootstrap", "forward", "sadapt", "trevision", "lccn", "lccn_star",
            "lccn_plus", "dividemix", "divide_lccn")

@@ -1,4 +1,4 @@
-"""Cost of DivideMix's per-epoch co-divide (``pipeline.divide.co_divide``) by training-set size.
+"""Cost of DivideMix's per-epoch co-divide (``pipeline.core.divide.co_divide``) by training-set size.
 
 For each N in ``--ns``: N per-sample losses (70% drawn low, 30% high, as after a warm-up)
 with random noisy labels over ``--classes`` classes, then ``co_divide`` (min-max
@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.divide import co_divide  # noqa: E402
+from pipeline.core.divide import co_divide  # noqa: E402
 
 
 def get_args_parser() -> argparse.ArgumentParser:

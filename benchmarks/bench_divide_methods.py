@@ -1,7 +1,7 @@
 """CE, LCCN, DivideMix and DivideLCCN on noisy digits in one process: accuracy and cost.
 
 scikit-learn's digits (train 1,258 / test 539), ``--rate`` symmetric label noise
-(``pipeline.noise.symmetric``, seed = run seed), small CNN, SGD lr 0.05, batch 64,
+(``pipeline.core.noise.symmetric``, seed = run seed), small CNN, SGD lr 0.05, batch 64,
 ``--epochs`` epochs of which ``--pretrain`` cross-entropy (both networks for the two-network
 methods), the library's defaults for everything else (LCCN: anchor warm-up, posterior
 targets; DivideMix: DivideConfig, lambda_u 25). Per method and seed: the clean test
@@ -26,10 +26,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.config import ModelConfig, OptimConfig, RunConfig  # noqa: E402
-from pipeline.digits import clean_view, load_digits_arrays, split_indices, to_tensor  # noqa: E402
-from pipeline.noise import symmetric  # noqa: E402
-from pipeline.trainer import LocalTrainer, TensorData  # noqa: E402
+from pipeline.core.config import ModelConfig, OptimConfig, RunConfig  # noqa: E402
+from pipeline.core.noise import symmetric  # noqa: E402
+from pipeline.data.digits import clean_view, load_digits_arrays, split_indices, to_tensor  # noqa: E402
+from pipeline.train.trainer import LocalTrainer, TensorData  # noqa: E402
 
 METHODS = ("ce", "lccn", "dividemix", "divide_lccn")
 

@@ -146,9 +146,9 @@ class Killer(threading.Thread):
 def train_run(root: Path, name: str, *, extra: list[str] | None = None,
               fault: dict | None = None, kill: list[tuple[int, str]] | None = None) -> dict:
     """One quickstart run under ``root``; returns what the table needs."""
-    from pipeline.confusion_store import ConfusionStore
-    from pipeline.dist_worker import load_state
-    from pipeline.ray_train import fit_distributed
+    from pipeline.core.confusion_store import ConfusionStore
+    from pipeline.dist.ray_train import fit_distributed
+    from pipeline.train.checkpoints import load_state
 
     args = quickstart_ray.get_args_parser().parse_args(
         ["--run-dir", str(root), "--run-name", name, *TRAIN_ARGS, *(extra or [])])
@@ -187,7 +187,7 @@ def train_run(root: Path, name: str, *, extra: list[str] | None = None,
 def training_rows(tmp: Path) -> list[Row]:
     import ray
 
-    from pipeline.ray_train import init_ray
+    from pipeline.dist.ray_train import init_ray
 
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     init_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -292,10 +292,10 @@ def local_run(shards: Path, run_dir: Path) -> tuple[list[dict], Any]:
     """The worker loop in this process (same code as a Ray worker) on the CIFAR shards."""
     import torch
 
-    from pipeline.config import LCCNConfig, ModelConfig, OptimConfig, RunConfig
-    from pipeline.dist_worker import DistConfig, LocalSession, run_worker
-    from pipeline.ray_train import initial_assignment_placeholder
-    from pipeline.store_actor import LocalStoreClient, StoreActor
+    from pipeline.core.config import LCCNConfig, ModelConfig, OptimConfig, RunConfig
+    from pipeline.dist.ray_train import initial_assignment_placeholder
+    from pipeline.dist.store_actor import LocalStoreClient, StoreActor
+    from pipeline.dist.worker import DistConfig, LocalSession, run_worker
     from shards.labelview import build_view
 
     view = build_view(shards / "train", {"kind": "asymmetric", "rate": 0.4, "seed": 0})
@@ -312,8 +312,8 @@ def local_run(shards: Path, run_dir: Path) -> tuple[list[dict], Any]:
 
 
 def data_rows(tmp: Path, tarball: Path) -> list[Row]:
-    from pipeline.confusion import count_matrix
-    from pipeline.manifest import Manifest, ShardInfo, sha256_file
+    from pipeline.core.confusion import count_matrix
+    from pipeline.data.manifest import Manifest, ShardInfo, sha256_file
 
     src = cifar_subset(tarball, tmp / "jpeg", per_class=100)
     pristine = tmp / "pristine"
@@ -442,7 +442,7 @@ def annotation_row(tmp: Path, src: Path) -> Row:
 def conversion_row(tmp: Path, src: Path) -> Row:
     """SIGKILL of ``python -m shards imagefolder`` after some shards, then the same command
     again; compared with an uninterrupted conversion."""
-    from pipeline.manifest import Manifest
+    from pipeline.data.manifest import Manifest
 
     print("[faults] interrupted conversion ...", flush=True)
     env = dict(os.environ, PYTHONPATH=str(REPO))

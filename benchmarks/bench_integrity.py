@@ -30,11 +30,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pipeline import data  # noqa: E402
-from pipeline.data import LoaderConfig, make_train_loader  # noqa: E402
-from pipeline.manifest import Manifest  # noqa: E402
+from pipeline.data import stream as data  # noqa: E402
+from pipeline.data.manifest import Manifest  # noqa: E402
+from pipeline.data.split_labels import read_split_labels  # noqa: E402
+from pipeline.data.stream import LoaderConfig, make_train_loader  # noqa: E402
 from shards import imagefolder  # noqa: E402
-from shards.labelview import read_split_labels  # noqa: E402
 
 
 def timed(fn):

@@ -123,7 +123,7 @@ def build_shards(tree: Path, out: Path, *, shard_size: int) -> tuple[Path, str]:
         return out / "train", "shards.imagefolder.convert"
     import webdataset as wds
 
-    from pipeline.manifest import Manifest, ShardInfo, sample_key, sha256_file
+    from pipeline.data.manifest import Manifest, ShardInfo, sample_key, sha256_file
 
     split = out / "train"
     split.mkdir(parents=True, exist_ok=True)
@@ -158,7 +158,7 @@ def _timed(batches) -> tuple[int, float, float]:
 
 
 def bench_shards(split: Path, preset: str, workers: int, batch_size: int) -> tuple[int, float, float]:
-    from pipeline.data import LoaderConfig, make_train_loader
+    from pipeline.data.stream import LoaderConfig, make_train_loader
 
     cfg = LoaderConfig(batch_size=batch_size, num_workers=workers, shuffle_buffer=1000,
                        preset=preset, seed=0)
@@ -170,7 +170,7 @@ def bench_imagefolder(tree: Path, preset: str, workers: int, batch_size: int) ->
     import torch
     from torchvision.datasets import ImageFolder
 
-    from pipeline.transforms import build_transform
+    from pipeline.data.transforms import build_transform
 
     ds = ImageFolder(str(tree / "train"), transform=build_transform(preset, train=True))
     dl = torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=workers,
@@ -206,8 +206,8 @@ def bench_pil_ops(tree: Path, n: int = 300) -> list[tuple[str, int, float, float
 
 def run_suite(tmp: Path, args, only: str | None) -> list[dict]:
     """All measurements of this interpreter's PIL; ``only="big"`` for the pillow-simd pass."""
-    import torch
     import PIL
+    import torch
 
     torch.set_num_threads(1)
     pil = f"pillow-simd {PIL.__version__}" if _is_simd() else f"pillow {PIL.__version__}"
@@ -225,7 +225,7 @@ def run_suite(tmp: Path, args, only: str | None) -> list[dict]:
         rows.append(dict(images=name, preset=preset, loader="tar read only (no decode)",
                          workers=0, pil=pil, n=n, wall=wall, cpu=cpu))
         for workers in (0, 1):
-            for loader, fn, src in (("WebDataset shards (pipeline.data)", bench_shards, split),
+            for loader, fn, src in (("WebDataset shards (pipeline.data.stream)", bench_shards, split),
                                     ("torchvision ImageFolder", bench_imagefolder, tree)):
                 n, wall, cpu = fn(src, preset, workers, args.batch_size)
                 rows.append(dict(images=name, preset=preset, loader=loader, workers=workers,

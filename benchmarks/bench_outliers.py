@@ -37,10 +37,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pipeline.config import LCCNConfig, ModelConfig, OptimConfig, RunConfig  # noqa: E402
-from pipeline.digits import clean_view, load_digits_arrays, split_indices, to_tensor  # noqa: E402
-from pipeline.noise import open_set  # noqa: E402
-from pipeline.trainer import LocalTrainer, TensorData, open_set_images  # noqa: E402
+from pipeline.core.config import LCCNConfig, ModelConfig, OptimConfig, RunConfig  # noqa: E402
+from pipeline.core.noise import open_set  # noqa: E402
+from pipeline.data.digits import clean_view, load_digits_arrays, split_indices, to_tensor  # noqa: E402
+from pipeline.train.trainer import LocalTrainer, TensorData, open_set_images  # noqa: E402
 
 
 def get_args_parser() -> argparse.ArgumentParser:

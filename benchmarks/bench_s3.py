@@ -3,11 +3,11 @@
 Real CIFAR-10 JPEGs (the first ``--samples`` training images of ``cifar10-jpeg.tar.gz``)
 are written as shards of ``--shard-size`` samples with ``shards.writer``, uploaded to a moto
 S3 server started here (``python -m moto.server``, its own process) with
-``pipeline.s3.upload_split``, and read back three ways from each source:
+``pipeline.data.s3.upload_split``, and read back three ways from each source:
 
-1. bytes: every shard read front to back (``pipeline.s3.ObjectReader`` vs ``open``), MB/s;
+1. bytes: every shard read front to back (``pipeline.data.s3.ObjectReader`` vs ``open``), MB/s;
 2. tar: the same plus WebDataset's tar reader and grouping (no decode), samples/s;
-3. loader: one training epoch of ``pipeline.data.make_train_loader`` (decode + augment,
+3. loader: one training epoch of ``pipeline.data.stream.make_train_loader`` (decode + augment,
    sha256 checked; in-process reader and ``--workers`` loader processes), samples/s.
 
 Passes alternate local / s3 and each figure is the median of ``--passes``. moto is a
@@ -35,9 +35,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pipeline import s3  # noqa: E402
-from pipeline.data import LoaderConfig, make_train_loader  # noqa: E402
-from pipeline.manifest import Manifest  # noqa: E402
+from pipeline.data import s3  # noqa: E402
+from pipeline.data.manifest import Manifest  # noqa: E402
+from pipeline.data.stream import LoaderConfig, make_train_loader  # noqa: E402
 
 
 def cifar_records(archive: Path, n: int) -> list:
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Data: the first {args.samples} CIFAR-10 training JPEGs (32x32) in "
         f"{len(manifest.shards)} shards of {args.shard_size}, {nbytes / 1e6:.1f} MB in all; "
-        f"upload with `pipeline.s3.upload_split` took {upload_s:.1f} s. Median of "
+        f"upload with `pipeline.data.s3.upload_split` took {upload_s:.1f} s. Median of "
         f"{args.passes} passes, local and s3 alternating.",
         "",
         "| read | source | MB/s | samples/s | s3 / local |",

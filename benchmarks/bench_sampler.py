@@ -6,7 +6,7 @@ Per batch of ``--batch`` samples and for each K, median (and min) over ``--reps`
     draw        sample_categorical: one inverse-CDF draw per row
     commit      ConfusionStore.commit: z update + count move (apply_delta_), dedupe, checks
     apply_delta apply_delta_ alone (the count move inside commit)
-    labeler     what the trainer pays per step (pipeline/loop.py): softmax of the logits,
+    labeler     what the trainer pays per step (pipeline/train/loop.py): softmax of the logits,
                 GibbsLabeler.sample (checks + posterior + draw) and GibbsLabeler.commit
                 against an in-process ConfusionStore (commit + sync of the next batch's z)
 
@@ -42,12 +42,13 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.config import LCCNConfig  # noqa: E402
-from pipeline.confusion import apply_delta_  # noqa: E402
-from pipeline import lccn, sampler  # noqa: E402
-from pipeline.confusion_store import ConfusionStore  # noqa: E402
-from pipeline.lccn import GibbsLabeler  # noqa: E402
-from pipeline.models import build_model  # noqa: E402
+from pipeline.core import sampler  # noqa: E402
+from pipeline.core.config import LCCNConfig  # noqa: E402
+from pipeline.core.confusion import apply_delta_  # noqa: E402
+from pipeline.core.confusion_store import ConfusionStore  # noqa: E402
+from pipeline.train import labeler as lccn
+from pipeline.train.labeler import GibbsLabeler  # noqa: E402
+from pipeline.train.models import build_model  # noqa: E402
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -62,8 +63,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None, help="write all figures here")
     p.add_argument("--sampler-module", type=Path, default=None,
-                   help="time another sampler.py (e.g. `git show HEAD:pipeline/sampler.py > "
-                        "old.py`) in place of pipeline/sampler.py, for before/after figures")
+                   help="time another sampler.py (e.g. `git show HEAD:pipeline/core/sampler.py > "
+                        "old.py`) in place of pipeline/core/sampler.py, for before/after figures")
     return p
 
 
@@ -80,7 +81,7 @@ def timed_us(fn, reps: int, *, warmup: int = 20) -> tuple[float, float]:
 
 
 def load_sampler(path: Path | None):
-    """The sampler module to time: pipeline.sampler, or the file at ``path``."""
+    """The sampler module to time: pipeline.core.sampler, or the file at ``path``."""
     if path is None:
         return sampler
     spec = importlib.util.spec_from_file_location("sampler_under_test", path)
@@ -160,7 +161,7 @@ def bench_parts(k: int, args: argparse.Namespace, smp) -> dict[str, float]:
 
 
 def make_labeler_step(k: int, args: argparse.Namespace):
-    """One trainer step's sampler work (pipeline/loop.py): softmax of the logits,
+    """One trainer step's sampler work (pipeline/train/loop.py): softmax of the logits,
     GibbsLabeler.sample, GibbsLabeler.commit (store commit + sync of the next batch)."""
     st = State(k, args.n, args.batch, args.seed)
     labeler = GibbsLabeler(LCCNConfig(alpha=1.0, commit_every=1), st.store, st.store.counts, st.store.version,
@@ -225,7 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
     lccn.gibbs_step = smp.gibbs_step  # the labeler path times the same implementation
     results: dict = {"batch": args.batch, "n": args.n, "reps": args.reps,
                      "model_reps": args.model_reps,
-                     "sampler": str(args.sampler_module or "pipeline/sampler.py"),
+                     "sampler": str(args.sampler_module or "pipeline/core/sampler.py"),
                      "load_avg_start": os.getloadavg(), "rows": []}
     for threads in args.threads:
         torch.set_num_threads(threads)

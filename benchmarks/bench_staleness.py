@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "jobs"))
 sys.path.insert(0, str(ROOT))
 import quickstart_ray  # noqa: E402
-from pipeline.dist_worker import load_state  # noqa: E402
+
+from pipeline.train.checkpoints import load_state  # noqa: E402
 
 
 def parse_config(text: str) -> tuple[int, int]:

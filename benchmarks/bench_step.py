@@ -52,14 +52,14 @@ import ray
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pipeline.config import LCCNConfig  # noqa: E402
-from pipeline.confusion_store import ConfusionStore, Sync  # noqa: E402
-from pipeline.lccn import GibbsLabeler  # noqa: E402
-from pipeline.store_actor import ActorStoreClient, StoreActor  # noqa: E402
-from pipeline.loop import train_one_epoch  # noqa: E402
-from pipeline.models import build_model  # noqa: E402
-from pipeline.trainer import Batch  # noqa: E402
-from pipeline.warmup import smoothed_identity  # noqa: E402
+from pipeline.core.batch import Batch  # noqa: E402
+from pipeline.core.config import LCCNConfig  # noqa: E402
+from pipeline.core.confusion_store import ConfusionStore, Sync  # noqa: E402
+from pipeline.core.warmup import smoothed_identity  # noqa: E402
+from pipeline.dist.store_actor import ActorStoreClient, StoreActor  # noqa: E402
+from pipeline.train.labeler import GibbsLabeler  # noqa: E402
+from pipeline.train.loop import train_one_epoch  # noqa: E402
+from pipeline.train.models import build_model  # noqa: E402
 
 MODES = ("ce", "local", "blocking", "overlapped", "overlapped-numpy", "push")
 WARMUP_STEPS = 8
@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     images = load_images(args.inputs, args.data, 8 * args.batch, seed=args.seed)
-    from pipeline.ray_train import init_ray  # local Ray bound to 127.0.0.1
+    from pipeline.dist.ray_train import init_ray  # local Ray bound to 127.0.0.1
 
     init_ray(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
     tables = []

@@ -79,9 +79,9 @@ def cifar_data(path: Path | None, n_train: int = 50000, n_test: int = 10000):
     import numpy as np
     import torch
 
-    from pipeline.cifar_memory import RandomCropFlip, channel_stats, load_cifar10, normalise
-    from pipeline.noise import asymmetric_cifar10, clean_view
-    from pipeline.trainer import TensorData
+    from pipeline.core.noise import asymmetric_cifar10, clean_view
+    from pipeline.data.cifar_memory import RandomCropFlip, channel_stats, load_cifar10, normalise
+    from pipeline.train.trainer import TensorData
 
     if path is not None:
         arrays = load_cifar10(path)
@@ -124,8 +124,8 @@ def cifar_epochs(train, test, method: str, epochs: int, perf, device: str, *,
                  pretrain: int = 1, warmup_steps: int = 391, on_row=None) -> list[dict]:
     import torch
 
-    from pipeline.config import LCCNConfig, ModelConfig, OptimConfig, RunConfig
-    from pipeline.trainer import LocalTrainer
+    from pipeline.core.config import LCCNConfig, ModelConfig, OptimConfig, RunConfig
+    from pipeline.train.trainer import LocalTrainer
 
     cfg = RunConfig(method=method, seed=0, model=ModelConfig("preact_resnet32"),
                     val_fraction=0.0, perf=perf, check_invariants=False,
@@ -157,11 +157,11 @@ def resnet50_ours(images, labels, steps: int, batch: int, perf, device: str
                   ) -> tuple[float, float]:
     import torch
 
-    from pipeline.fastpath import configure_backends, wrap_model
-    from pipeline.labels import LabelView
-    from pipeline.loop import train_one_epoch
-    from pipeline.models import build_model
-    from pipeline.trainer import TensorData
+    from pipeline.core.labels import LabelView
+    from pipeline.train.fastpath import configure_backends, wrap_model
+    from pipeline.train.loop import train_one_epoch
+    from pipeline.train.models import build_model
+    from pipeline.train.trainer import TensorData
 
     configure_backends(perf, device)
     base = build_model("resnet50", 1000, seed=0).to(device)
@@ -226,7 +226,7 @@ def write_jpeg_shards(out: Path, n: int, cifar: Path | None) -> Path:
 
     g = np.random.default_rng(0)
     if cifar is not None:
-        from pipeline.cifar_memory import load_cifar10
+        from pipeline.data.cifar_memory import load_cifar10
         src = load_cifar10(cifar).train_x[:n].transpose(0, 2, 3, 1)
     else:
         src = g.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8)
@@ -250,11 +250,11 @@ def write_jpeg_shards(out: Path, n: int, cifar: Path | None) -> Path:
 def resnet50_shards(split: Path, workers: int, batch: int, perf, device: str) -> dict:
     import torch
 
-    from pipeline.data import LoaderConfig, make_train_loader
-    from pipeline.fastpath import configure_backends, wrap_model
-    from pipeline.loop import train_one_epoch
-    from pipeline.models import build_model
-    from pipeline.transforms import build_batch_transform
+    from pipeline.data.stream import LoaderConfig, make_train_loader
+    from pipeline.data.transforms import build_batch_transform
+    from pipeline.train.fastpath import configure_backends, wrap_model
+    from pipeline.train.loop import train_one_epoch
+    from pipeline.train.models import build_model
 
     configure_backends(perf, device)
     base = build_model("resnet50", 10, seed=0).to(device)
@@ -308,7 +308,7 @@ def main() -> None:
 
     import torch
 
-    from pipeline.config import PerfConfig
+    from pipeline.core.config import PerfConfig
 
     t_all = time.perf_counter()
     if dev == "cuda":

@@ -13,7 +13,7 @@ PY=${PYTHON:-python3}
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 2)" \
   || { echo "gpu_cifar_methods: no CUDA device" >&2; exit 2; }
 mkdir -p "$out"
-"$PY" -c "from pipeline.cifar_memory import load_cifar10 as f; import tempfile, os; f('$data/cifar10-jpeg.tar.gz', cache_dir=os.path.join(tempfile.gettempdir(), 'lccn-cifar10-cache'))" || exit 1
+"$PY" -c "from pipeline.data.cifar_memory import load_cifar10 as f; import tempfile, os; f('$data/cifar10-jpeg.tar.gz', cache_dir=os.path.join(tempfile.gettempdir(), 'lccn-cifar10-cache'))" || exit 1
 jobs=()
 for m in ${METHODS:-divide_lccn dividemix lccn lccn_star lccn_plus ce bootstrap forward sadapt trevision}; do
   for seed in $seeds; do

@@ -18,7 +18,7 @@ PY=${PYTHON:-python3}
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 2)" \
   || { echo "gpu_cifar_protocols: no CUDA device" >&2; exit 2; }
 mkdir -p "$out" /tmp/lccn-cifar10-cache
-"$PY" -c "from pipeline.cifar_memory import load_cifar10 as f; f('$data/cifar10-jpeg.tar.gz', cache_dir='/tmp/lccn-cifar10-cache')"
+"$PY" -c "from pipeline.data.cifar_memory import load_cifar10 as f; f('$data/cifar10-jpeg.tar.gz', cache_dir='/tmp/lccn-cifar10-cache')"
 declare -A proto=(
   [a]="--train-size 20000 --epochs 24 --pretrain-epochs 8 --milestones 16 21"
   [b]="--train-size 10000 --epochs 48 --pretrain-epochs 16 --milestones 32 42"

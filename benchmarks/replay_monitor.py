@@ -1,6 +1,6 @@
 """Replay the collapse monitor's validation check over recorded benchmark runs.
 
-The check (``pipeline.monitor.CollapseMonitor``) is a pure function of each epoch's noisy
+The check (``pipeline.core.monitor.CollapseMonitor``) is a pure function of each epoch's noisy
 validation accuracy and learning rate, given the accuracy and the rate of the network LCCN
 started from; ``bench_cifar.py`` records all of them. This script counts, per LCCN run of
 the given result files, the epochs in which the check fires
@@ -25,8 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.config import MonitorConfig  # noqa: E402
-from pipeline.monitor import CollapseMonitor  # noqa: E402
+from pipeline.core.config import MonitorConfig  # noqa: E402
+from pipeline.core.monitor import CollapseMonitor  # noqa: E402
 
 
 def replay(lccn: dict, *, val_drop: float) -> dict:

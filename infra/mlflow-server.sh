@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Start an MLflow tracking server for LCCN runs, wait until it answers /health, and print
-# the MLFLOW_TRACKING_URI to export. Jobs read that variable (pipeline.tracking).
+# the MLFLOW_TRACKING_URI to export. Jobs read that variable (pipeline.track.tracking).
 #
 #   infra/mlflow-server.sh                       # sqlite + proxied artifacts under ./mlflow-server
 #   eval "$(infra/mlflow-server.sh)"             # ... and export MLFLOW_TRACKING_URI here

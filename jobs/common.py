@@ -30,15 +30,25 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.config import (METHODS, TRANSITIONS, BaselineConfig, DivideConfig,  # noqa: E402
-                             LCCNConfig, ModelConfig, MonitorConfig, OptimConfig, PerfConfig,
-                             RunConfig, json_safe, scaled_lr_values)
-from pipeline.dist_worker import DistConfig  # noqa: E402
-from pipeline.data import check_label_view, check_splits  # noqa: E402
-from pipeline.labels import LabelView  # noqa: E402
-from pipeline.manifest import Manifest  # noqa: E402
-from pipeline.noise import format_transition  # noqa: E402
-
+from pipeline.core.config import (
+    METHODS,
+    TRANSITIONS,
+    BaselineConfig,
+    DivideConfig,
+    LCCNConfig,
+    ModelConfig,
+    MonitorConfig,
+    OptimConfig,
+    PerfConfig,
+    RunConfig,
+    json_safe,
+    scaled_lr_values,
+)
+from pipeline.core.labels import LabelView  # noqa: E402
+from pipeline.core.noise import format_transition  # noqa: E402
+from pipeline.data.manifest import Manifest  # noqa: E402
+from pipeline.data.stream import check_label_view, check_splits  # noqa: E402
+from pipeline.dist.worker import DistConfig  # noqa: E402
 
 _LCCN, _DIVIDE = LCCNConfig(), DivideConfig()
 
@@ -444,7 +454,7 @@ def add_data_args(p: argparse.ArgumentParser, *, noise_default: str) -> None:
                    help="training split folder or base URL (overrides --data/--train-split)")
     g.add_argument("--test-shards", default=None, help="test split folder or base URL")
     g.add_argument("--noise", default=noise_default,
-                   help=f"label view spec as JSON (pipeline/noise.py; default {noise_default})")
+                   help=f"label view spec as JSON (pipeline/core/noise.py; default {noise_default})")
     g.add_argument("--label-view", type=Path, default=None,
                    help="a saved label view (.npz) instead of --noise (needed for URL sources)")
 
@@ -498,7 +508,7 @@ def uses_trusted(args: argparse.Namespace) -> bool:
 
 
 def trusted_spec(args: argparse.Namespace) -> dict[str, Any] | None:
-    """The label view's ``"trusted"`` entry the arguments ask for (pipeline/noise.py), or
+    """The label view's ``"trusted"`` entry the arguments ask for (pipeline/core/noise.py), or
     None."""
     if not uses_trusted(args):
         return None
@@ -532,7 +542,7 @@ def baseline_config(args: argparse.Namespace) -> BaselineConfig:
 def check_transition_file(run: RunConfig, num_classes: int) -> None:
     """Read the run's transition file (if any) before Ray starts: one clear line naming the
     file when it is missing, malformed or of another class count."""
-    from pipeline.baselines import load_transition
+    from pipeline.core.baselines import load_transition
 
     if run.baseline.transition != "file" or run.method not in ("forward", "trevision"):
         return
@@ -563,7 +573,7 @@ def apply_smoke(args: argparse.Namespace) -> None:
 
 def dist_config(args: argparse.Namespace, *, run_name: str, train: str, test: str | None,
                 class_names: list[str], transform: str) -> DistConfig:
-    from pipeline.tracking import default_tracking_uri
+    from pipeline.track.tracking import default_tracking_uri
 
     resolve_recipe(args)
     run_dir = args.run_dir.expanduser().resolve()
@@ -585,7 +595,7 @@ def _init_from(args: argparse.Namespace, own_checkpoints: Path) -> str | None:
     its own checkpoints ignores it, so then a path that no longer resolves is no error."""
     if not getattr(args, "init_from", None):
         return None
-    from pipeline.engine import init_state_file
+    from pipeline.train.checkpoints import init_state_file
 
     try:
         path = str(init_state_file(args.init_from).resolve())
@@ -609,7 +619,7 @@ def _source(path_or_url: str | os.PathLike | None) -> str | None:
 
 def _check_local_split(path: Path, *, option: str, split: str) -> None:
     """One clear line (SystemExit) when a local split folder is not there or is no split."""
-    from pipeline.manifest import MANIFEST_NAME
+    from pipeline.data.manifest import MANIFEST_NAME
 
     if (path / MANIFEST_NAME).is_file():
         return
@@ -666,7 +676,7 @@ def check_sources(args: argparse.Namespace, train: str, test: str | None) -> Man
 def split_manifest(source: str, args: argparse.Namespace) -> Manifest:
     """The manifest of a split folder or URL (s3://, http(s)://), as the workers read it;
     one clear line (SystemExit) when it cannot be read."""
-    from pipeline.data import LoaderConfig, load_manifest
+    from pipeline.data.stream import LoaderConfig, load_manifest
 
     try:
         return load_manifest(source, cfg=LoaderConfig(
@@ -752,8 +762,8 @@ def connect_ray() -> bool:
     """Connect to the cluster at ``RAY_ADDRESS`` (set by ``ray job submit``) or, without
     it, start a local Ray instance bound to 127.0.0.1 (``address="local"``: never attach to
     some other cluster found through ``/tmp/ray/ray_current_cluster``). No-op when already
-    connected; returns whether this call connected (:func:`pipeline.ray_train.init_ray`)."""
-    from pipeline.ray_train import init_ray
+    connected; returns whether this call connected (:func:`pipeline.dist.ray_train.init_ray`)."""
+    from pipeline.dist.ray_train import init_ray
 
     return init_ray()
 
@@ -798,7 +808,8 @@ def run_job(args: argparse.Namespace, *, job: str, run: RunConfig, dist: DistCon
     trainer (a sweep trial's report to Tune)."""
     import ray
 
-    from pipeline.ray_train import fit_distributed, resume_problem
+    from pipeline.dist.ray_train import fit_distributed
+    from pipeline.train.checkpoints import resume_problem
 
     problem = resume_problem(run, dist)
     if problem:
@@ -815,7 +826,7 @@ def run_job(args: argparse.Namespace, *, job: str, run: RunConfig, dist: DistCon
           f"{dist.tracking_uri or 'off'}", flush=True)
     keys = None
     if run.method == "lccn" and run.lccn.outlier and "://" not in dist.train_source:
-        from shards.labelview import read_split_labels  # outliers.csv names each sample
+        from pipeline.data.split_labels import read_split_labels  # outliers.csv names each sample
 
         keys = list(read_split_labels(dist.train_source)["key"])
     started = connect_ray()
@@ -881,7 +892,7 @@ def label_issue_report(state: dict[str, Any], *, view: LabelView, dist: DistConf
     """The run's label-issue report (an LCCN method's run with ``--report-epochs`` > 0):
     files under ``<run-dir>/label_issues/<run>/``, the same as MLflow artifacts
     ``label_issues/`` of the run; None for other methods."""
-    from pipeline.label_issues import job_report
+    from pipeline.track.label_issues import job_report
 
     out = Path(dist.run_dir) / "label_issues" / dist.run_name
     rep = job_report(state, clean=view.clean, train_source=dist.train_source,
@@ -914,11 +925,11 @@ def _flagged(outliers_csv: str) -> str:
 
 def selected_epoch(history: list[dict[str, float]]) -> dict[str, Any] | None:
     """The epoch a practitioner keeps: the highest noisy-validation accuracy ``val_top1``
-    (:func:`pipeline.engine.select_epoch`; the last epoch without a validation split), with
+    (:func:`pipeline.train.engine.select_epoch`; the last epoch without a validation split), with
     its clean test accuracy. ``epoch`` is the history row's 0-based index (as every
     ``epoch`` in the results JSON and the MLflow steps); ``epoch_number`` counts from 1, as
     the printed lines do."""
-    from pipeline.engine import select_epoch
+    from pipeline.train.engine import select_epoch
 
     if not history:
         return None
@@ -955,7 +966,7 @@ def warmup_covers_phase(run: RunConfig, manifest: Manifest, world_size: int) -> 
     an LCCN phase. The phase's steps are every rank's, from the loader's own plan of each
     epoch (whole shards per rank; the noisy-validation samples are dropped from the batches,
     not from the count of steps)."""
-    from pipeline.data import plan_epoch
+    from pipeline.data.stream import plan_epoch
 
     epochs = run.optim.epochs - run.optim.pretrain_epochs
     if run.method not in ("lccn", "divide_lccn") or run.lccn.warmup_steps == 0 or epochs <= 0:

@@ -20,11 +20,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.config import LCCNConfig, ModelConfig, OptimConfig, RunConfig  # noqa: E402
-from pipeline.digits import (clean_view, load_digits_arrays, split_indices,  # noqa: E402
-                             to_tensor)
-from pipeline.noise import CIFAR10_ASYM_MAP, format_transition, pair_flip  # noqa: E402
-from pipeline.trainer import LocalTrainer, TensorData  # noqa: E402
+from pipeline.core.config import LCCNConfig, ModelConfig, OptimConfig, RunConfig  # noqa: E402
+from pipeline.core.noise import CIFAR10_ASYM_MAP, format_transition, pair_flip  # noqa: E402
+from pipeline.data.digits import clean_view, load_digits_arrays, split_indices, to_tensor
+from pipeline.train.trainer import LocalTrainer, TensorData  # noqa: E402
 
 
 def get_args_parser() -> argparse.ArgumentParser:

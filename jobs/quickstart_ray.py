@@ -32,9 +32,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import common  # noqa: E402
-from pipeline.digits import DIGIT_CLASSES, load_digits_arrays, split_indices  # noqa: E402
-from pipeline.labels import LabelView  # noqa: E402
-from pipeline.noise import CIFAR10_ASYM_MAP, pair_flip  # noqa: E402
+
+from pipeline.core.labels import LabelView  # noqa: E402
+from pipeline.core.noise import CIFAR10_ASYM_MAP, pair_flip  # noqa: E402
+from pipeline.data.digits import DIGIT_CLASSES, load_digits_arrays, split_indices  # noqa: E402
 
 JOB = "quickstart_ray"
 PRESET = common.PRESETS["digits"]
@@ -63,7 +64,7 @@ def write_digits_shards(out: Path, *, seed: int, shard_size: int = 100) -> tuple
 
 def digits_view(train_dir: Path, *, rate: float, seed: int) -> LabelView:
     """Pair-flip noise at ``rate`` over the training split's clean labels (idx order)."""
-    from shards.labelview import read_split_labels
+    from pipeline.data.split_labels import read_split_labels
 
     clean = read_split_labels(train_dir)["label"]
     return pair_flip(clean, 10, CIFAR10_ASYM_MAP, rate, seed=seed)
@@ -142,8 +143,8 @@ def prepare_run(args: argparse.Namespace) -> common.JobRun:
     view = digits_view(train, rate=args.rate, seed=args.seed)
     trusted = common.trusted_spec(args)
     if trusted is not None:  # LCCN+: the trusted subset of the digits (keys: their file names)
-        from pipeline.noise import apply_trusted
-        from shards.labelview import read_split_labels
+        from pipeline.core.noise import apply_trusted
+        from pipeline.data.split_labels import read_split_labels
 
         try:
             keys = list(read_split_labels(train)["key"]) if "keys" in trusted else None

@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from pipeline.manifest import Manifest
+from pipeline.data.manifest import Manifest
 from shards.writer import SampleRecord, ShardError, WriterOptions, write_split
 
 Variant = Literal["cifar10", "cifar100"]

@@ -23,7 +23,9 @@ import sys
 import time
 from collections.abc import Callable
 
-from pipeline.manifest import Manifest
+from pipeline.core.cli import prog_name
+from pipeline.data.manifest import Manifest
+from shards import cifar, clothing1m, imagefolder, webvision
 from shards.writer import ShardError
 
 WEB_RESIZE_SHORT = 256
@@ -67,15 +69,6 @@ def _order(p: argparse.ArgumentParser, which: str) -> None:
                         "mixes the classes (default 0)")
     g.add_argument("--keep-order", dest="shuffle_seed", action="store_const", const=None,
                    help="write in the listed order (class by class) instead")
-
-
-def prog_name(module: str, argv0: str | None = None) -> str:
-    """The program name for usage lines: the console script's name (``lccn-shards``) when
-    run as one, else ``python -m <module>``."""
-    base = os.path.basename(argv0 if argv0 is not None else (sys.argv[0] if sys.argv else ""))
-    if not base or base.endswith(".py") or base in ("-c", "-m"):
-        return f"python -m {module}"
-    return base
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -122,8 +115,6 @@ def _run(args: argparse.Namespace) -> dict[str, Manifest]:
     common = dict(shard_size=args.shard_size, workers=args.workers,
                   progress=not args.no_progress)
     if args.dataset in ("cifar10", "cifar100"):
-        from shards import cifar
-
         if args.download:
             cifar.download(args.src, variant=args.dataset)
         return cifar.convert(args.src, args.out, variant=args.dataset, splits=args.splits,
@@ -131,18 +122,13 @@ def _run(args: argparse.Namespace) -> dict[str, Manifest]:
     common.update(resize_short=args.resize_short or None, validate=args.validate,
                   skip_bad=args.skip_bad)
     if args.dataset == "imagefolder":
-        from shards import imagefolder
-
         return imagefolder.convert(args.src, args.out, splits=args.splits, classes=args.classes,
                                    labels_unverified=args.labels_unverified,
                                    dataset=args.dataset_name, per_class=args.per_class,
                                    shuffle_seed=args.shuffle_seed, **common)
     if args.dataset == "clothing1m":
-        from shards import clothing1m
-
         return clothing1m.convert(args.src, args.out, annotations=args.annotations,
                                   splits=args.splits, **common)
-    from shards import webvision
 
     return webvision.convert(args.src, args.out, mini=args.mini, flickr=args.flickr,
                              imagenet_val=args.imagenet_val, splits=args.splits,

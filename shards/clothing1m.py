@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 from typing import Literal
 
-from pipeline.manifest import Manifest
+from pipeline.data.manifest import Manifest
 from shards.writer import SampleRecord, ShardError, WriterOptions, write_split
 
 CLASS_FILE = "category_names_eng.txt"

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
-from pipeline.manifest import Manifest
+from pipeline.data.manifest import Manifest
 from shards.writer import SampleRecord, ShardError, WriterOptions, shuffled, write_split
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff",

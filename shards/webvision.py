@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
-from pipeline.manifest import Manifest
+from pipeline.data.manifest import Manifest
 from shards.writer import SampleRecord, ShardError, WriterOptions, shuffled, write_split
 
 MINI_CLASSES = 50

@@ -3,7 +3,7 @@
 A converter lists its samples as :class:`SampleRecord` objects in ``idx`` order and hands them
 to :func:`write_split`, which writes ``<out_dir>/<split>/<split>-NNNNNN.tar`` (``shard_size``
 samples each, the last one shorter) and then ``manifest.json`` (layout in
-``pipeline/manifest.py``). Each sample of a shard holds two members, in this order::
+``pipeline/data/manifest.py``). Each sample of a shard holds two members, in this order::
 
     <idx:08d>.jpg | <idx:08d>.png   the image bytes
     <idx:08d>.json                  {"idx", "label", "clean", "key", ...extras}, sorted keys
@@ -62,7 +62,7 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
-from pipeline.manifest import MANIFEST_NAME, Manifest, ShardInfo, sample_key
+from pipeline.data.manifest import MANIFEST_NAME, Manifest, ShardInfo, sample_key
 
 WRITER_VERSION = 1
 PROGRESS_DIR = ".progress"

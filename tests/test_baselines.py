@@ -11,9 +11,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.baselines import (
-    SAdaptation, TRevisionSlack, bootstrap_hard_loss, bootstrap_soft_loss, check_transition,
-    forward_loss, forward_transition, importance_weights, load_transition, reweight_loss,
+from pipeline.core.baselines import (
+    SAdaptation,
+    TRevisionSlack,
+    bootstrap_hard_loss,
+    bootstrap_soft_loss,
+    check_transition,
+    forward_loss,
+    forward_transition,
+    importance_weights,
+    load_transition,
+    reweight_loss,
 )
 
 LN3 = math.log(3.0)

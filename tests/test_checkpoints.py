@@ -9,8 +9,12 @@ from pathlib import Path
 
 import torch
 
-from pipeline.dist_worker import META_FILE, STATE_FILE
-from pipeline.ray_train import newest_complete_checkpoint, prune_checkpoints
+from pipeline.train.checkpoints import (
+    META_FILE,
+    STATE_FILE,
+    newest_complete_checkpoint,
+    prune_checkpoints,
+)
 
 
 def _write(root: Path, name: str, step: int, *, truncate: bool = False) -> Path:

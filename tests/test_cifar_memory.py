@@ -1,4 +1,4 @@
-"""pipeline/cifar_memory.py on real CIFAR-10 JPEGs (a small tarball built from the shared one)."""
+"""pipeline/data/cifar_memory.py on real CIFAR-10 JPEGs (a small tarball built from the shared one)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,16 @@ import torch
 from PIL import Image
 from torch.nn import functional as F
 
-from pipeline.cifar_memory import (CIFAR10_CLASSES, RandomCropFlip, channel_stats,
-                                   decode_tarball, load_cifar10, normalise)
-from pipeline.noise import clean_view
-from pipeline.trainer import TensorData
+from pipeline.core.noise import clean_view
+from pipeline.data.cifar_memory import (
+    CIFAR10_CLASSES,
+    RandomCropFlip,
+    channel_stats,
+    decode_tarball,
+    load_cifar10,
+    normalise,
+)
+from pipeline.train.trainer import TensorData
 
 
 @pytest.fixture(scope="module")

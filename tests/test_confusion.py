@@ -7,13 +7,18 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import LCCNConfig
-from pipeline.confusion import (apply_delta_, check_invariants, count_matrix, theorem3_bound,
-                                transition)
-from pipeline.confusion_store import ConfusionStore
-from pipeline.lccn import GibbsLabeler
-from pipeline.sampler import gibbs_step
-from pipeline.warmup import initial_assignment, smoothed_identity, soft_confusion
+from pipeline.core.config import LCCNConfig
+from pipeline.core.confusion import (
+    apply_delta_,
+    check_invariants,
+    count_matrix,
+    theorem3_bound,
+    transition,
+)
+from pipeline.core.confusion_store import ConfusionStore
+from pipeline.core.sampler import gibbs_step
+from pipeline.core.warmup import initial_assignment, smoothed_identity, soft_confusion
+from pipeline.train.labeler import GibbsLabeler
 
 
 def test_counts_to_transition_round_trip():
@@ -217,7 +222,7 @@ def test_refresh_steps_samples_against_the_counts_of_the_last_refresh(path):
     current counts; conditional() reads the same phi. The three paths: the compiled host
     kernel, the tensor one and the device core (what torch.compile captures, run eagerly
     here). A labeler made again mid-run (a resume) refreshes at its first step."""
-    from pipeline.sampler import gibbs_draw
+    from pipeline.core.sampler import gibbs_draw
 
     gen = torch.Generator().manual_seed(5)
     k, n, warm, every, alpha = 4, 600, 2, 3, 0.5

@@ -1,4 +1,4 @@
-"""Tests of the shard loader (pipeline/data.py) and the transform presets (pipeline/transforms.py).
+"""Tests of the shard loader (pipeline/data/stream.py) and the transform presets (pipeline/data/transforms.py).
 
 Shards are real tar files of real CIFAR-10 JPEGs (and PNGs re-encoded from them), written
 in tmp_path with ``webdataset.TarWriter`` and described by a real ``Manifest``.
@@ -23,8 +23,10 @@ import torch
 import webdataset as wds
 from PIL import Image
 
-from pipeline.data import (
-    Batch,
+from pipeline.core.batch import Batch
+from pipeline.core.labels import LabelView
+from pipeline.data.manifest import Manifest, ManifestError, ShardInfo, sample_key, sha256_file
+from pipeline.data.stream import (
     LoaderConfig,
     batch_sizes,
     check_splits,
@@ -34,9 +36,7 @@ from pipeline.data import (
     make_train_loader,
     plan_epoch,
 )
-from pipeline.labels import LabelView
-from pipeline.manifest import Manifest, ManifestError, ShardInfo, sample_key, sha256_file
-from pipeline.transforms import (
+from pipeline.data.transforms import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     PRESETS,
@@ -426,11 +426,11 @@ def test_ood_hook_replaces_marked_images(tmp_path, cifar_images):
 
     check(make_eval_loader(tmp_path / "train", view, cfg, ood_transform=_reverse_pixels),
           _reverse_pixels)
-    if importlib.util.find_spec("pipeline.noise") is None:
+    if importlib.util.find_spec("pipeline.core.noise") is None:
         with pytest.raises(ValueError, match="3 samples as out-of-distribution"):
             make_eval_loader(tmp_path / "train", view, cfg)
-    else:  # the default hook is pipeline.noise.shuffle_pixels
-        from pipeline.noise import shuffle_pixels
+    else:  # the default hook is pipeline.core.noise.shuffle_pixels
+        from pipeline.core.noise import shuffle_pixels
 
         check(make_eval_loader(tmp_path / "train", view, cfg), shuffle_pixels)
 
@@ -499,7 +499,7 @@ def test_same_size_corruption_is_refused_by_default(split20, cifar_images):
 
 
 def test_each_shard_is_hashed_once_per_process_until_it_changes(split20, monkeypatch):
-    from pipeline import data
+    from pipeline.data import stream as data
 
     split, manifest, view = split20
     hashed = []
@@ -517,7 +517,7 @@ def test_each_shard_is_hashed_once_per_process_until_it_changes(split20, monkeyp
 
 
 def test_loader_counters_sum_over_ranks():
-    from pipeline.data import loader_counters
+    from pipeline.data.stream import loader_counters
 
     stats = {"skipped_decode": 1, "skipped_meta": 2, "skipped_duplicate": 3, "skipped_extra": 4,
              "skipped_tar": 1, "missing": 9, "padded": 9, "checksum_mismatch": 0, "samples": 50,
@@ -532,7 +532,7 @@ def test_loader_counters_sum_over_ranks():
 def test_two_views_are_two_augmentations_of_the_same_samples(tmp_path, cifar_images):
     """views=2 (DivideMix): the same batches (idx, labels, first view) as one view, plus a
     second, different augmentation of every image; reproducible on a re-read."""
-    from pipeline.data import ViewsBatch
+    from pipeline.core.batch import ViewsBatch
 
     write_split(tmp_path / "train", [10] * 4, cifar_images)
     view = shifted_view(40, cifar_images)
@@ -560,7 +560,7 @@ def test_class_sorted_training_shards_are_warned_about():
     a warning naming the folder; shuffled ones, other splits and other converters do not."""
     import warnings
 
-    from pipeline.data import ClassSortedShardsWarning, warn_if_class_sorted
+    from pipeline.data.stream import ClassSortedShardsWarning, warn_if_class_sorted
 
     shard = [ShardInfo(name="train-000000.tar", num_samples=1, sha256="0" * 64, bytes=1)]
 
@@ -648,9 +648,9 @@ def test_a_malformed_manifest_names_its_file(tmp_path):
 
 def test_the_loader_shuffles_open_set_pixels_with_the_views_pixel_seed(tmp_path, cifar_images):
     """Without an explicit ``ood_seed`` the loader uses the view's ``pixel_seed``, as the
-    in-memory trainer does (pipeline.trainer.open_set_images): both show the same images."""
-    from pipeline.noise import shuffle_pixels
-    from pipeline.trainer import open_set_images
+    in-memory trainer does (pipeline.train.trainer.open_set_images): both show the same images."""
+    from pipeline.core.noise import shuffle_pixels
+    from pipeline.train.trainer import open_set_images
 
     write_split(tmp_path / "train", [10, 10], cifar_images)
     base = shifted_view(20, cifar_images)

@@ -16,15 +16,15 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import LCCNConfig, ModelConfig, MonitorConfig, OptimConfig, RunConfig
-from pipeline.monitor import CollapseWarning
-from pipeline.confusion import count_matrix
-from pipeline.confusion_store import ConfusionStore
-from pipeline.dist_worker import DistConfig, LocalSession, parse_failures, run_worker
-from pipeline.engine import held_out_mask
-from pipeline.lccn import GibbsLabeler
-from pipeline.ray_train import initial_assignment_placeholder
-from pipeline.store_actor import FenceError, LocalStoreClient, StoreActor
+from pipeline.core.config import LCCNConfig, ModelConfig, MonitorConfig, OptimConfig, RunConfig
+from pipeline.core.confusion import count_matrix
+from pipeline.core.confusion_store import ConfusionStore
+from pipeline.core.monitor import CollapseWarning
+from pipeline.dist.ray_train import initial_assignment_placeholder
+from pipeline.dist.store_actor import FenceError, LocalStoreClient, StoreActor
+from pipeline.dist.worker import DistConfig, LocalSession, parse_failures, run_worker
+from pipeline.train.labeler import GibbsLabeler
+from pipeline.train.sources import held_out_mask
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "jobs"))
@@ -220,7 +220,7 @@ def test_a_mid_epoch_checkpoint_is_not_resumed_under_another_batch_order(digits,
     """The order of an epoch's batches depends on the workers (ranks, loader processes,
     per-rank batch, shuffle buffer): a checkpoint taken mid-epoch refuses a resume under
     other values, naming them, instead of training some samples twice and skipping others."""
-    from pipeline.ray_train import resume_problem
+    from pipeline.train.checkpoints import resume_problem
 
     run, dist, view, z0, counted = _local_run(digits, tmp_path, inject="0:45:raise")
     store = StoreActor(torch.from_numpy(view.observed), z0, 10, 10, counted=counted)
@@ -295,7 +295,7 @@ def test_collapse_monitor_can_stop_a_distributed_run(digits, tmp_path, one_threa
     """With MonitorConfig(stop=True) the worker loop stops after the first LCCN epoch whose
     chain the monitor flags (forced here: its criteria are tested in test_fidelity), on
     every rank together, and warns instead of raising on rank 0 alone."""
-    from pipeline.monitor import CollapseMonitor
+    from pipeline.core.monitor import CollapseMonitor
 
     monkeypatch.setattr(CollapseMonitor, "reasons",
                         lambda self, health, val=0.0, **kw: ["forced"])
@@ -315,7 +315,7 @@ def test_lccn_plus_in_the_distributed_engine_trains_trusted_on_clean_never_count
     DistLabeler) honours LCCN+ as the local one: every draw of a trusted sample is its
     clean label (its posterior one-hot there), including those whose observed label is
     wrong, and C never counts one (the store's invariants hold)."""
-    from pipeline.noise import trusted_subset
+    from pipeline.core.noise import trusted_subset
 
     run, dist, view, _, _ = _local_run(digits, tmp_path, epochs=2, commit_every=commit_every)
     view = trusted_subset(view, count=120, seed=0)
@@ -356,7 +356,7 @@ def test_store_state_from_checkpoint_recounts(digits, tmp_path, one_thread):
     run_worker(run, dist, view, LocalStoreClient(store), session)
     ckpts = session.checkpoints()
     assert len(ckpts) == 5 + 2  # at global steps 7, 14, 21, 28, 35 and at both epoch ends
-    from pipeline.dist_worker import load_state
+    from pipeline.train.checkpoints import load_state
     for c in ckpts:
         st = load_state(c)["store"]
         again = ConfusionStore.from_state_dict(st)  # raises if C != recount(z)
@@ -374,12 +374,12 @@ def test_noisy_validation_split_of_a_distributed_run(digits, tmp_path, one_threa
     """The held-out split of a distributed run: the local trainer's split for the same view
     and seed (stratified, deterministic), never in a training batch nor in C (skipped and
     counted in val_held_out), and scored every epoch against the observed labels."""
-    from pipeline import methods
-    from pipeline.data import LoaderConfig, make_eval_loader
-    from pipeline.dist_worker import load_state
-    from pipeline.labels import LabelView
-    from pipeline.models import build_model
-    from pipeline.trainer import LocalTrainer, TensorData
+    from pipeline.core.labels import LabelView
+    from pipeline.data.stream import LoaderConfig, make_eval_loader
+    from pipeline.train import methods
+    from pipeline.train.checkpoints import load_state
+    from pipeline.train.models import build_model
+    from pipeline.train.trainer import LocalTrainer, TensorData
 
     run, dist, view, z0, counted = _local_run(digits, tmp_path, epochs=2)
     dist = replace(dist, checkpoint_every=0)
@@ -445,8 +445,8 @@ def test_a_test_split_with_fewer_shards_than_ranks_is_scored_once_by_the_first_r
     """Digits: 13 training shards, 6 test shards, 8 ranks. Every rank trains; ranks 0-5
     score whole test shards, each test sample exactly once, ranks 6 and 7 score nothing
     (Engine.score sums the counts of all ranks)."""
-    from pipeline.data import LoaderConfig, load_manifest
-    from pipeline.engine import ShardSource
+    from pipeline.data.stream import LoaderConfig, load_manifest
+    from pipeline.train.shard_source import ShardSource
 
     train, test, view = digits
     cfg = LoaderConfig(batch_size=16, num_workers=0, preset="digits", seed=0)
@@ -479,7 +479,7 @@ def test_skipped_and_padded_samples_reach_each_epoch_row_and_mlflow(digits, tmp_
     loader's counters, summed over ranks."""
     from mlflow import MlflowClient
 
-    from pipeline.manifest import Manifest, ShardInfo, sha256_file
+    from pipeline.data.manifest import Manifest, ShardInfo, sha256_file
 
     train, test, view = digits
     split = tmp_path / "train"
@@ -524,8 +524,8 @@ RAY_ARGS = ["--epochs", str(EPOCHS), "--pretrain-epochs", str(PRETRAIN), "--batc
 
 def _epoch_steps(train_dir: Path, world_size: int) -> list[int]:
     """Steps of each epoch as the loader plans them (every rank takes as many)."""
-    from pipeline.data import plan_epoch
-    from pipeline.manifest import Manifest
+    from pipeline.data.manifest import Manifest
+    from pipeline.data.stream import plan_epoch
 
     counts = [s.num_samples for s in Manifest.load(train_dir).shards]
     return [plan_epoch(counts, world_size=world_size, num_workers=1,
@@ -556,7 +556,7 @@ def ray_cluster():
     key = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"  # read by the Train controller: detect failures fast
     old = os.environ.get(key)
     os.environ[key] = "0.5"
-    from pipeline.ray_train import init_ray
+    from pipeline.dist.ray_train import init_ray
 
     started = init_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
@@ -640,7 +640,7 @@ def test_invariants_and_exact_commit_count_after_failures(chaos_run):
     """C equals the recount of z, column sums are the observed histogram, and the store
     applied exactly one commit per LCCN step per rank (+ one initial commit per rank): every
     commit made after a checkpoint that a failure rolled back was discarded, none twice."""
-    from pipeline.dist_worker import load_state
+    from pipeline.train.checkpoints import load_state
 
     s = chaos_run["summary"]
     state = load_state(s["checkpoint"])["store"]
@@ -708,7 +708,7 @@ def test_one_and_two_workers_estimate_the_same_transition(chaos_run, tmp_path):
     Tolerances from repeated runs of this setting: 1 worker (3 seeds) mean |phi - T| 0.007
     to 0.011, latent accuracy 0.95; 2 workers (4 runs, clean and with failures) 0.008 to
     0.017 and 0.91 to 0.94; mean |phi_1 - phi_2| 0.004 to 0.011. Observed labels: 0.851."""
-    from pipeline.dist_worker import load_state
+    from pipeline.train.checkpoints import load_state
 
     one = quickstart_ray.main(["--run-dir", str(tmp_path), "--run-name", "one", "--num-workers",
                                "1", "--no-tracking", *RAY_ARGS])
@@ -748,13 +748,12 @@ def test_lccn_star_plus_on_ray_exports_outliers_and_keeps_the_trusted_set_out_of
     import argparse
     import csv
 
+    import common
     from mlflow import MlflowClient
 
-    from pipeline.dist_worker import load_state
-    from pipeline.noise import open_set, trusted_subset
-    from shards.labelview import read_split_labels
-
-    import common
+    from pipeline.core.noise import open_set, trusted_subset
+    from pipeline.data.split_labels import read_split_labels
+    from pipeline.train.checkpoints import load_state
 
     train, test, _ = digits
     labels = read_split_labels(train)
@@ -806,7 +805,7 @@ def test_one_worker_killed_mid_epoch_resumes_bit_identical(ray_cluster, tmp_path
     """On real Ray: the single worker dies (os._exit, as after SIGKILL) mid-epoch in LCCN
     epoch 2; the group restarts from the checkpoint at step 48 and the run ends with the
     same model, z, C and store version as an uninterrupted run with the same seed."""
-    from pipeline.dist_worker import load_state
+    from pipeline.train.checkpoints import load_state
 
     args = ["--epochs", "4", "--pretrain-epochs", "1", "--batch-size", "64", "--lr", "0.05",
             "--milestones", "--lr-values", "--warmup-steps", "5", "--loader-workers", "0",
@@ -829,7 +828,7 @@ def test_one_worker_killed_mid_epoch_resumes_bit_identical(ray_cluster, tmp_path
 
 def test_packed_wire_format_round_trips_a_step():
     """The Ray client sends numpy arrays (step_packed) and rebuilds a Sync from the reply."""
-    from pipeline.store_actor import StoreActor, unpack_sync
+    from pipeline.dist.store_actor import StoreActor, unpack_sync
 
     obs = torch.tensor([0, 1, 2, 0, 1, 2])
     a, b = StoreActor(obs, obs.clone(), 3, 3), StoreActor(obs, obs.clone(), 3, 3)

@@ -12,13 +12,27 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.divide import (
-    average_loss_history, balanced_subset, co_divide, co_guess, co_refine, co_refine_lccn,
-    conf_penalty, division_losses, ensemble_topk, lccn_division_losses, lccn_posterior,
-    linear_rampup, mixmatch, normalize_losses, semi_loss, sharpen, transition_columns,
+from pipeline.core.divide import (
+    average_loss_history,
+    balanced_subset,
+    co_divide,
+    co_guess,
+    co_refine,
+    co_refine_lccn,
+    conf_penalty,
+    division_losses,
+    ensemble_topk,
+    lccn_division_losses,
+    lccn_posterior,
+    linear_rampup,
+    mixmatch,
+    normalize_losses,
+    semi_loss,
+    sharpen,
+    transition_columns,
     uniform_prior_penalty,
 )
-from pipeline.sampler import conditional_transition
+from pipeline.core.sampler import conditional_transition
 
 LN3 = math.log(3.0)
 

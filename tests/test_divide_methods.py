@@ -1,5 +1,5 @@
 """DivideMix and DivideLCCN as methods of the engine, trained in one process on real data
-(scikit-learn digits, 40% symmetric label noise planted by pipeline.noise)."""
+(scikit-learn digits, 40% symmetric label noise planted by pipeline.core.noise)."""
 
 from __future__ import annotations
 
@@ -10,17 +10,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline import divide as divide_maths
-from pipeline import warmup
-from pipeline.config import DivideConfig, LCCNConfig, ModelConfig, OptimConfig, RunConfig
-from pipeline.confusion import count_matrix
-from pipeline.digits import clean_view, load_digits_arrays, split_indices, to_tensor
-from pipeline.dist_worker import LocalSession, load_state
-from pipeline.engine import ChainSet
-from pipeline.methods import divide as divide_methods
-from pipeline.noise import symmetric
-from pipeline.sampler import conditional_transition
-from pipeline.trainer import LocalTrainer, TensorData
+from pipeline.core import divide as divide_maths
+from pipeline.core import warmup
+from pipeline.core.config import DivideConfig, LCCNConfig, ModelConfig, OptimConfig, RunConfig
+from pipeline.core.confusion import count_matrix
+from pipeline.core.noise import symmetric
+from pipeline.core.sampler import conditional_transition
+from pipeline.data.digits import clean_view, load_digits_arrays, split_indices, to_tensor
+from pipeline.dist.worker import LocalSession
+from pipeline.train.chains import ChainSet
+from pipeline.train.checkpoints import load_state
+from pipeline.train.methods import divide as divide_methods
+from pipeline.train.trainer import LocalTrainer, TensorData
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +126,7 @@ def test_without_an_unlabelled_loss_only_the_mixed_labelled_rows_are_trained_on(
     """lambda_u 0 (the Clothing1M / WebVision presets): as DivideMix's code for them, the
     network forwards and trains on the mixed labelled rows alone (their partners drawn from
     the whole batch), the prior penalty over them; otherwise on every mixed row."""
-    import pipeline.methods.divide as divide_method
+    import pipeline.train.methods.divide as divide_method
 
     seen = []
     real_mix, real_pen = divide_method.mixmatch, divide_method.uniform_prior_penalty
@@ -386,10 +387,10 @@ def test_divide_lccn_worker_loop_resumes_mid_epoch_exactly(digit_shards, tmp_pat
     mid-epoch checkpoint that carries the epoch's division) and resuming ends with the same
     networks, chains and division as the uninterrupted run; the division pass scored every
     training idx (the held-out split excluded) exactly once."""
-    from pipeline.dist_worker import DistConfig, run_worker
-    from pipeline.engine import held_out_mask
-    from pipeline.ray_train import initial_assignment_placeholder
-    from pipeline.store_actor import LocalStoreClient, StoreActor
+    from pipeline.dist.ray_train import initial_assignment_placeholder
+    from pipeline.dist.store_actor import LocalStoreClient, StoreActor
+    from pipeline.dist.worker import DistConfig, run_worker
+    from pipeline.train.sources import held_out_mask
 
     train, test, view = digit_shards
     run = _cfg("divide_lccn", epochs=2, pretrain=1)

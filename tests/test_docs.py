@@ -50,7 +50,7 @@ def test_relative_links_resolve(guide):
     path = REPO / guide
     text = path.read_text()
     targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
-    targets += re.findall(r"`((?:docs|benchmarks/results|infra|jobs|scripts|tests)/[\w./-]+\.(?:md|py|sh|yaml))`", text)
+    targets += re.findall(r"`((?:docs|benchmarks|infra|jobs|scripts|tests|pipeline|shards|tune)/[\w./-]+\.(?:md|py|sh|yaml))`", text)
     missing = [t for t in targets if "://" not in t
                and not ((path.parent / t).exists() or (REPO / t).exists())]
     assert not missing, missing
@@ -159,7 +159,7 @@ def _check_command(argv: list[str]) -> bool:
     import importlib
     import sys
 
-    from pipeline import label_issues
+    from pipeline.track import label_issues
     from shards import cli, labelview
     from tune import sweep
 
@@ -172,7 +172,7 @@ def _check_command(argv: list[str]) -> bool:
                "lccn-labelview": labelview.get_args_parser,
                "python -m shards.labelview": labelview.get_args_parser,
                "lccn-label-issues": label_issues.get_args_parser,
-               "python -m pipeline.label_issues": label_issues.get_args_parser,
+               "python -m pipeline.track.label_issues": label_issues.get_args_parser,
                "python -m tune.sweep": sweep.get_args_parser}
     if prog in parsers:
         parsers[prog]().parse_args(args)

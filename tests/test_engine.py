@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import METHODS
-from pipeline.engine import TorchCollectives, all_gather_rows
-from pipeline.methods import Method, get_method, register, registered
+from pipeline.core.config import METHODS
+from pipeline.train.methods import Method, get_method, register, registered
+from pipeline.train.session import TorchCollectives, all_gather_rows
 
 
 def test_every_accepted_method_is_registered_and_unknown_names_are_errors():
@@ -86,7 +86,7 @@ def test_epoch_stats_average_over_the_ranks_that_measured_them():
     """A rank without a value (NaN: no known clean label in its share) neither halves the
     others' mean nor turns it into NaN on the logging rank; NaN only when no rank has one;
     images_per_s is the sum."""
-    from pipeline.engine import _REDUCED, _epoch_row
+    from pipeline.train.engine import _REDUCED, _epoch_row
 
     mine = {"loss": 1.0, "label_recovery": 0.9, "images_per_s": 100.0, "step_time": 0.5,
             "changed": float("nan")}
@@ -109,7 +109,7 @@ def test_update_average_follows_a_replaced_average_or_model():
     average set up again, a network replaced) must be the one updated, not the cached one."""
     import copy
 
-    from pipeline.engine import Member
+    from pipeline.train.members import Member
 
     live = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
     opt = torch.optim.SGD(live.parameters(), lr=0.1)
@@ -145,8 +145,8 @@ def test_norm_weight_decay_leaves_the_normalisation_layers_out_of_the_penalty():
     unless it differs from weight_decay; then a step with zero gradients shrinks the other
     weights by lr x weight_decay and the batch-norm scale and shift by lr x
     norm_weight_decay."""
-    from pipeline.engine import param_groups
-    from pipeline.models import build_model
+    from pipeline.train.members import param_groups
+    from pipeline.train.models import build_model
 
     model = build_model("preact_resnet32", 10)
     assert len(param_groups(model, 5e-4)) == 1 and len(param_groups(model, 5e-4, 5e-4)) == 1

@@ -16,7 +16,7 @@ PROBE = "LCCN_ENV_PROBE"
 
 @pytest.mark.skipif(not os.environ.get(PROBE), reason="runs inside the test below only")
 def test_probe_sees_no_user_settings(tmp_path):
-    from pipeline.tracking import default_tracking_uri
+    from pipeline.track.tracking import default_tracking_uri
 
     for key in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS", "LCCN_RUNS", "MLFLOW_EXPERIMENT_NAME"):
         assert key not in os.environ, key

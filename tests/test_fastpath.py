@@ -1,4 +1,4 @@
-"""The fast paths of the training step (pipeline.fastpath, PerfConfig) on the CPU: every
+"""The fast paths of the training step (pipeline.train.fastpath, PerfConfig) on the CPU: every
 switch trains on real data without error, the default CPU path is unchanged, and the
 device hand-over helpers keep values and dtypes."""
 
@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import LCCNConfig, ModelConfig, OptimConfig, PerfConfig, RunConfig
-from pipeline.digits import clean_view, load_digits_arrays, split_indices, to_tensor
-from pipeline.fastpath import Forward, HostStage, to_device, wrap_model
-from pipeline.models import build_model
-from pipeline.noise import symmetric
-from pipeline.sampler import gibbs_posterior
-from pipeline.trainer import LocalTrainer, TensorData
-from pipeline.transforms import build_batch_transform
+from pipeline.core.config import LCCNConfig, ModelConfig, OptimConfig, PerfConfig, RunConfig
+from pipeline.core.noise import symmetric
+from pipeline.core.sampler import gibbs_posterior
+from pipeline.data.digits import clean_view, load_digits_arrays, split_indices, to_tensor
+from pipeline.data.transforms import build_batch_transform
+from pipeline.train.fastpath import Forward, HostStage, to_device, wrap_model
+from pipeline.train.models import build_model
+from pipeline.train.trainer import LocalTrainer, TensorData
 
 
 def _data():
@@ -154,9 +154,9 @@ def test_gpu_code_paths_import_without_the_cluster_packages(tmp_path):
         "    return real(name, *a, **k)\n"
         "builtins.__import__ = guard\n"
         f"sys.path.insert(0, {str(root)!r})\n"
-        "import pipeline.trainer, pipeline.engine, pipeline.methods, pipeline.fastpath\n"
-        "import pipeline.label_issues, pipeline.sampler, pipeline.lccn\n"
-        "assert pipeline.sampler.numba is None and not pipeline.lccn.host_kernel\n"
+        "import pipeline.train.trainer, pipeline.train.engine, pipeline.train.methods, pipeline.train.fastpath\n"
+        "import pipeline.track.label_issues, pipeline.core.sampler, pipeline.train.labeler\n"
+        "assert pipeline.core.sampler.numba is None and not pipeline.train.labeler.host_kernel\n"
         "import runpy\n"
         "sys.argv = ['gpu_check.py', '--device', 'cpu', '--no-shards', '--help']\n"
         "try:\n"

@@ -12,16 +12,21 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import LCCNConfig, MonitorConfig
-from pipeline.confusion_store import ConfusionStore
-from pipeline.labels import holdout_split
-from pipeline.lccn import GibbsLabeler
-from pipeline.losses import clipped_cross_entropy, soft_cross_entropy
-from pipeline.monitor import ChainCollapsed, CollapseMonitor, CollapseWarning, chain_health
-from pipeline.noise import instance_dependent, make_view, symmetric
-from pipeline.sampler import gibbs_posterior, gibbs_step
-from pipeline.warmup import (anchor_transition, deconvolve, estimate_phi_init, soft_confusion,
-                             warmup_prior)
+from pipeline.core.config import LCCNConfig, MonitorConfig
+from pipeline.core.confusion_store import ConfusionStore
+from pipeline.core.labels import holdout_split
+from pipeline.core.losses import clipped_cross_entropy, soft_cross_entropy
+from pipeline.core.monitor import ChainCollapsed, CollapseMonitor, CollapseWarning, chain_health
+from pipeline.core.noise import instance_dependent, make_view, symmetric
+from pipeline.core.sampler import gibbs_posterior, gibbs_step
+from pipeline.core.warmup import (
+    anchor_transition,
+    deconvolve,
+    estimate_phi_init,
+    soft_confusion,
+    warmup_prior,
+)
+from pipeline.train.labeler import GibbsLabeler
 
 
 def _noisy_posteriors(t: np.ndarray, n: int, *, sharp: float, seed: int):
@@ -319,8 +324,8 @@ def test_the_monitor_replay_gives_back_the_recorded_gpu_restart_warnings():
 
 
 def _digits_sym(seed: int):
-    from pipeline.digits import clean_view, load_digits_arrays, split_indices, to_tensor
-    from pipeline.trainer import TensorData
+    from pipeline.data.digits import clean_view, load_digits_arrays, split_indices, to_tensor
+    from pipeline.train.trainer import TensorData
 
     images, labels = load_digits_arrays()
     tr, te = split_indices(labels, test_fraction=0.3, seed=seed)
@@ -330,8 +335,8 @@ def _digits_sym(seed: int):
 
 
 def _final_top1(method: str, seed: int, **lccn) -> float:
-    from pipeline.config import ModelConfig, OptimConfig, RunConfig
-    from pipeline.trainer import LocalTrainer
+    from pipeline.core.config import ModelConfig, OptimConfig, RunConfig
+    from pipeline.train.trainer import LocalTrainer
 
     train, test = _digits_sym(seed)
     # one epoch of CE pre-training: a weak classifier (about 55-65% on clean test digits)

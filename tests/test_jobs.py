@@ -63,8 +63,8 @@ def test_weight_average_is_off_in_the_recipes_and_an_option_of_every_job():
 
 
 def test_norm_weight_decay_is_an_option_of_every_job_and_reaches_the_optimiser():
-    from pipeline.engine import param_groups
-    from pipeline.models import build_model
+    from pipeline.train.members import param_groups
+    from pipeline.train.models import build_model
 
     _, run = _configs(cifar_lccn, ["--data", "/x"])
     assert run.optim.norm_weight_decay is None
@@ -107,7 +107,7 @@ def test_collapse_val_drop_reaches_the_monitor():
 def test_bn_momentum_is_an_option_of_every_job_and_reaches_every_batch_norm_layer():
     from torch import nn
 
-    from pipeline.models import build_model
+    from pipeline.train.models import build_model
 
     _, run = _configs(cifar_lccn, ["--data", "/x"])
     assert run.model.bn_momentum is None
@@ -177,7 +177,7 @@ def test_every_method_runs_its_recipe_from_the_presets_table(module, dataset, ex
     """The configs a job builds for each --method are the recipe of docs/methods.md's
     presets table (common.recipe): DivideMix's own schedule for dividemix/divide_lccn
     where it has one, the dataset's for the rest; an option on the command line wins."""
-    from pipeline.config import METHODS
+    from pipeline.core.config import METHODS
 
     for method in METHODS:
         args, run = _configs(module, ["--data", "/x", "--method", method, *extra])
@@ -211,7 +211,7 @@ def test_lr_values_become_the_phase_learning_rates(tmp_path):
     """--lr-values 0.5 0.1 0.01 with milestones 40 80 gives exactly those rates."""
     import torch
 
-    from pipeline.dist_worker import DistConfig, _scheduler
+    from pipeline.dist.worker import DistConfig, _scheduler
 
     args, run = _configs(cifar_lccn, ["--data", "/x"])
     dist = DistConfig(run_name="r", run_dir=str(tmp_path), train_source=str(tmp_path),
@@ -250,7 +250,7 @@ def test_a_warm_up_that_outlasts_the_lccn_phase_is_warned_about():
     shards (334, 333, 333), 2 workers, global batch 64 (32 per worker): one rank reads two
     shards, 667 samples -> 21 steps an epoch (the held-out validation samples leave the
     batches, not the count), 2 LCCN epochs of 3 -> 42."""
-    from pipeline.manifest import Manifest, ShardInfo
+    from pipeline.data.manifest import Manifest, ShardInfo
 
     man = Manifest(dataset="d", split="train", classes=list("abcdefghij"),
                    shards=[ShardInfo(f"s-{i}.tar", n, "0" * 64, 100)
@@ -366,7 +366,7 @@ def test_quickstart_ray_builds_the_trusted_set_it_is_asked_for(tmp_path):
 def test_smoke_shards_and_views(tmp_path):
     """The generated smoke splits load as a CIFAR-like view (noise applied to clean labels)
     and a web-like view (noisy labels, half the clean labels known)."""
-    from pipeline.manifest import Manifest
+    from pipeline.data.manifest import Manifest
     from shards.labelview import build_view
 
     tr, te = common.write_synthetic_shards(tmp_path / "c", dataset="cifar10", num_classes=10,
@@ -416,7 +416,7 @@ def test_bad_flags_give_one_clear_line(tmp_path, argv, match):
 def test_clothing1m_trusted_set_from_the_clean_train_key_list(tmp_path):
     """--trusted-keys clean_train_key_list.txt: the noisy-train samples listed there (with
     their clean label known) are trusted; the smoke split's keys stand in for the list."""
-    from shards.labelview import read_split_labels
+    from pipeline.data.split_labels import read_split_labels
 
     args = clothing1m_lccn.get_args_parser().parse_args(["--smoke-test", "--run-dir",
                                                          str(tmp_path)])
@@ -460,7 +460,7 @@ def test_quickstart_closes_with_lccn_beside_ce_and_the_mlflow_command():
 
 
 def test_progress_line_per_epoch():
-    from pipeline.ray_train import progress_line
+    from pipeline.dist.ray_train import progress_line
 
     row = {"epoch": 9.0, "loss": 0.25, "val_top1": 0.7, "test_top1": 0.9,
            "label_recovery": 0.95, "transition_error": float("nan"), "epoch_time": 4.04}
@@ -549,7 +549,8 @@ def ray_head():
     # token authentication with a token of this test only (not ~/.ray/auth_token): the
     # cluster and the `ray job submit` client both read it from RAY_AUTH_TOKEN_PATH
     from ray._private.authentication.authentication_token_generator import (
-        generate_new_authentication_token)
+        generate_new_authentication_token,
+    )
 
     token = Path(tmp) / "auth_token"
     token.write_text(generate_new_authentication_token())

@@ -15,10 +15,11 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline import label_issues as li
-from pipeline.confusion import count_matrix, transition
-from pipeline.confusion_store import ConfusionStore
-from pipeline.sampler import gibbs_posterior
+from pipeline.core.confusion import count_matrix, transition
+from pipeline.core.confusion_store import ConfusionStore
+from pipeline.core.posterior import MAX_ENTRIES, STATE_KEY, ReportAccumulator
+from pipeline.core.sampler import gibbs_posterior
+from pipeline.track import label_issues as li
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -80,7 +81,7 @@ def _acc(**kw):
     args = dict(num_samples=6, k_latent=3, num_classes=3, epochs=2, total_epochs=5,
                 first_noise_epoch=1, alpha=1.0)
     args.update(kw)
-    return li.ReportAccumulator(**args)
+    return ReportAccumulator(**args)
 
 
 def test_accumulator_means_over_the_last_epochs_and_ranks_and_round_trips():
@@ -111,7 +112,7 @@ def test_accumulator_means_over_the_last_epochs_and_ranks_and_round_trips():
     fresh.load_state_dict(acc.state_dict())
     assert torch.equal(fresh.sum, acc.sum) and fresh.epochs == [3, 4]
     # too large a run keeps it off and says why
-    big = _acc(num_samples=li.MAX_ENTRIES, k_latent=2)
+    big = _acc(num_samples=MAX_ENTRIES, k_latent=2)
     assert big.too_large and not big.covers(4)
     assert not _acc(epochs=0).covers(4)
 
@@ -141,7 +142,7 @@ def _state(tmp_path: Path, *, k: int, outlier: bool, rng: np.random.Generator):
            "k_latent": k_lat, "num_classes": k,
            "heldout": {"idx": torch.from_numpy(np.flatnonzero(held)),
                        "probs": torch.from_numpy(post[held]).float()}}
-    state = {"store": store.state_dict(), li.STATE_KEY: acc, "mlflow_run_id": None}
+    state = {"store": store.state_dict(), STATE_KEY: acc, "mlflow_run_id": None}
     return state, clean, observed
 
 
@@ -153,7 +154,7 @@ def test_report_files_and_cli_log_into_a_real_mlflow_store(tmp_path, capsys):
     ckpt = tmp_path / "checkpoint_000003"
     ckpt.mkdir()
     torch.save(state, ckpt / "state.pt")
-    from pipeline.labels import LabelView
+    from pipeline.core.labels import LabelView
 
     view = LabelView(observed=observed, clean=clean, num_classes=3)
     view.save(tmp_path / "view.npz")
@@ -189,7 +190,7 @@ def test_report_files_and_cli_log_into_a_real_mlflow_store(tmp_path, capsys):
 def test_cli_errors_name_the_file(tmp_path):
     with pytest.raises(SystemExit, match="state.pt: no such file"):
         li.main([str(tmp_path)])
-    from pipeline.labels import LabelView
+    from pipeline.core.labels import LabelView
 
     state, clean, observed = _state(tmp_path, k=3, outlier=True, rng=np.random.default_rng(0))
     ckpt = tmp_path / "ckpt"

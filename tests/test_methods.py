@@ -16,13 +16,19 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.baselines import SAdaptation
-from pipeline.config import (METHODS, BaselineConfig, ModelConfig, OptimConfig, RunConfig,
-                             from_dict)
-from pipeline.digits import clean_view, load_digits_arrays, split_indices, to_tensor
-from pipeline.labels import LabelView
-from pipeline.noise import CIFAR10_ASYM_MAP, pair_flip
-from pipeline.trainer import LocalTrainer, TensorData
+from pipeline.core.baselines import SAdaptation
+from pipeline.core.config import (
+    METHODS,
+    BaselineConfig,
+    ModelConfig,
+    OptimConfig,
+    RunConfig,
+    from_dict,
+)
+from pipeline.core.labels import LabelView
+from pipeline.core.noise import CIFAR10_ASYM_MAP, pair_flip
+from pipeline.data.digits import clean_view, load_digits_arrays, split_indices, to_tensor
+from pipeline.train.trainer import LocalTrainer, TensorData
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "jobs"))
@@ -169,7 +175,8 @@ def test_learned_transition_is_checkpointed_and_resumed_exactly(method, epochs, 
     last epoch (S-adaptation: step 30 of 40, resumed from step 28; T-Revision: step 50 of
     60, in the revision stage, resumed from step 49) and resumes ends with the same network,
     transition layer (slack) and optimiser state as the uninterrupted run."""
-    from pipeline.dist_worker import DistConfig, LocalSession, load_state, run_worker
+    from pipeline.dist.worker import DistConfig, LocalSession, run_worker
+    from pipeline.train.checkpoints import load_state
 
     train, test, view = digits_shards
     run = replace(_run(method, epochs=epochs, pretrain=1), val_fraction=0.05)
@@ -232,7 +239,7 @@ def _layer(weight: torch.Tensor) -> SAdaptation:
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray = pytest.importorskip("ray")
-    from pipeline.ray_train import init_ray
+    from pipeline.dist.ray_train import init_ray
 
     started = init_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
@@ -327,7 +334,7 @@ def test_noisy_nll_goes_through_the_noise_model():
     that predicts the clean class scores the flipped labels well only through T."""
     import math
 
-    from pipeline.loop import noisy_nll_of
+    from pipeline.train.loop import noisy_nll_of
 
     probs = torch.tensor([[0.9, 0.1], [0.2, 0.8]], dtype=torch.float64)
     labels = torch.tensor([0, 0])
@@ -345,8 +352,8 @@ def test_lccn_val_nll_is_the_noisy_labels_likelihood_through_its_phi(noisy_digit
     """The engine's ``val_nll`` of an LCCN run: the held-out observed labels' mean
     -log sum_k P(k|x) phi[k, y] with the chain's phi (with alpha), recomputed here from the
     final model and the labeler's counts; before the noise phase, the identity."""
-    from pipeline.confusion import transition
-    from pipeline.loop import noisy_nll_of, predict
+    from pipeline.core.confusion import transition
+    from pipeline.train.loop import noisy_nll_of, predict
 
     train, test = noisy_digits
     trainer = LocalTrainer(_run("lccn", epochs=4), train, test)

@@ -6,12 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipeline.models import (
-    MODELS,
-    available_models,
-    build_model,
-    count_parameters,
-)
+from pipeline.train.models import MODELS, available_models, build_model, count_parameters
 
 # (name, input (C, H, W), num_classes): the smallest inputs each model is meant for
 CASES = [
@@ -201,7 +196,7 @@ def test_preact_blocks_follow_their_references(gen):
     relu(bn1(x)); preact_resnet32 (He et al. 2016, option A) carries x itself."""
     import torch.nn.functional as F
 
-    from pipeline.models import PreActBlock
+    from pipeline.train.models import PreActBlock
 
     x = torch.randn(2, 16, 8, 8, generator=gen)
     for shortcut in ("conv", "zero_pad"):
@@ -222,7 +217,7 @@ def test_bn_momentum_sets_the_running_statistics_update_of_every_batch_norm_laye
     """build_model(bn_momentum=m): every BN layer's running mean moves by m of the way to
     the batch mean in one training forward (PyTorch's convention); None keeps 0.1; a value
     outside (0, 1] or a model without batch norm is an error naming the value."""
-    from pipeline.models import set_bn_momentum
+    from pipeline.train.models import set_bn_momentum
 
     x = torch.randn(16, 3, 32, 32, generator=torch.Generator().manual_seed(0)) * 3 + 2
     for m, want in ((None, 0.1), (0.003, 0.003), (1.0, 1.0)):

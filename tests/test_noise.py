@@ -15,9 +15,9 @@ import pytest
 import webdataset as wds
 from PIL import Image
 
-from pipeline import noise as nz
-from pipeline.labels import LabelView
-from pipeline.manifest import Manifest, ShardInfo, sample_key, sha256_file
+from pipeline.core import noise as nz
+from pipeline.core.labels import LabelView
+from pipeline.data.manifest import Manifest, ShardInfo, sample_key, sha256_file
 from shards import labelview
 
 N = 50_000
@@ -693,7 +693,7 @@ def test_read_split_labels_coarse_and_cifar100_cli(tmp_path):
 def test_transition_tables_name_their_rows():
     """A noise process is read clean -> observed, a learned phi latent -> observed; the
     columns line up under either header."""
-    from pipeline.noise import format_transition
+    from pipeline.core.noise import format_transition
 
     t = np.array([[0.9, 0.1], [0.2, 0.8]])
     for rows in ("clean", "latent"):

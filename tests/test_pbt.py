@@ -24,15 +24,14 @@ def test_pbt_space_has_the_mutated_keys_and_annealing_on():
 def test_perturbed_values_are_clipped_into_the_configs_ranges():
     cfg = pbt.clip_config({"lccn.alpha": 1200.0, "lccn.anneal_floor": 1.2, "optim.lr": 9.0})
     assert cfg == {"lccn.alpha": 1000.0, "lccn.anneal_floor": 1.0, "optim.lr": 9.0}
-    from pipeline.config import RunConfig
+    from pipeline.core.config import RunConfig
     from tune.search_spaces import apply_point
 
     apply_point(RunConfig(), {k: v for k, v in cfg.items() if k != "optim.lr"})  # valid
 
 
 def test_seed_run_drops_the_mlflow_run_and_keeps_an_existing_seed(tmp_path):
-    from pipeline.engine import META_FILE, STATE_FILE
-    from pipeline.ray_train import newest_complete_checkpoint
+    from pipeline.train.checkpoints import META_FILE, STATE_FILE, newest_complete_checkpoint
 
     src = tmp_path / "src"
     src.mkdir()

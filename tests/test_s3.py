@@ -1,4 +1,4 @@
-"""Shards read from S3-compatible object storage (pipeline/s3.py through pipeline/data.py).
+"""Shards read from S3-compatible object storage (pipeline/data/s3.py through pipeline/data/stream.py).
 
 The store is a real moto S3 server (``python -m moto.server``) started by the tests on
 127.0.0.1; dropped connections come from a real TCP proxy in front of it that cuts a
@@ -19,11 +19,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-from pipeline import s3
-from pipeline.data import LoaderConfig, make_eval_loader, make_train_loader
-from pipeline.manifest import ManifestError
 from test_data import UNEVEN, cifar_images, run_ranks, shifted_view, valid_idx, write_split  # noqa: F401
+
+from pipeline.data import s3
+from pipeline.data.manifest import ManifestError
+from pipeline.data.stream import LoaderConfig, make_eval_loader, make_train_loader
 
 CFG = LoaderConfig(batch_size=8, num_workers=0, shuffle_buffer=16, seed=3, preset="cifar",
                    chunk_size=4, http_timeout_s=10.0)
@@ -238,7 +238,7 @@ def test_dropped_connection_mid_shard_resumes_and_yields_every_sample_once(
     proxy = proxy_factory(cuts={b"GET /lccn-drop/train/train-000001.tar ": (1, 20_000),
                                 b"GET /lccn-drop/train/manifest.json ": (1, 600)})
     cfg = replace(CFG, s3_endpoint_url=proxy.url, s3_retries=3)
-    with caplog.at_level(logging.WARNING, logger="pipeline.s3"):
+    with caplog.at_level(logging.WARNING, logger="pipeline.data.s3"):
         batches, loaders = run_ranks(url, view, cfg, world=1)
     assert proxy.cut_done == 2 and all(v == 0 for v in proxy.cuts.values())
     got = valid_idx(batches[0])

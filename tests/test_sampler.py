@@ -7,8 +7,13 @@ import math
 import pytest
 import torch
 
-from pipeline.sampler import (anneal_gamma, conditional_transition, gibbs_posterior, gibbs_step,
-                              sample_categorical)
+from pipeline.core.sampler import (
+    anneal_gamma,
+    conditional_transition,
+    gibbs_posterior,
+    gibbs_step,
+    sample_categorical,
+)
 
 
 def oracle_posterior(probs, observed, z_old, counts, alpha, *, gamma=1.0, counted=None):
@@ -146,8 +151,8 @@ def test_bad_input_is_named(bad, match):
 def test_device_core_is_the_eager_step(gamma, warm):
     """gibbs_draw with the uniforms sample_categorical would draw gives the loop oracle's
     posterior and the eager path's labels, for the counts and the warm-up phi alike."""
-    from pipeline.confusion import as_alpha
-    from pipeline.sampler import gibbs_draw
+    from pipeline.core.confusion import as_alpha
+    from pipeline.core.sampler import gibbs_draw
 
     gen = torch.Generator().manual_seed(4)
     probs, observed, z_old, counts = random_state(gen, m=64, k=5)
@@ -169,8 +174,8 @@ def test_compiled_device_core_draws_from_eq7():
     """torch.compile(gibbs_draw), as a GPU worker runs it with PerfConfig.compile (here on
     the CPU): the empirical law of its draws matches the loop oracle within 5 standard
     errors per cell."""
-    from pipeline.confusion import as_alpha
-    from pipeline.sampler import gibbs_draw
+    from pipeline.core.confusion import as_alpha
+    from pipeline.core.sampler import gibbs_draw
 
     gen = torch.Generator().manual_seed(2)
     probs, observed, z_old, counts = random_state(gen, m=4, k=4)
@@ -193,8 +198,8 @@ def test_compiled_device_core_draws_from_eq7():
 def test_host_kernel_is_the_eager_step(gamma, warm, k_latent):
     """gibbs_draw_host with the uniforms sample_categorical would draw gives the eager
     posterior to rounding and the same labels, with counted masks and the warm-up phi."""
-    from pipeline.confusion import as_alpha
-    from pipeline.sampler import gibbs_draw_host
+    from pipeline.core.confusion import as_alpha
+    from pipeline.core.sampler import gibbs_draw_host
 
     gen = torch.Generator().manual_seed(4)
     probs, observed, z_old, counts = random_state(gen, m=64, k=5, k_latent=k_latent)
@@ -217,8 +222,8 @@ def test_host_kernel_is_the_eager_step(gamma, warm, k_latent):
 
 
 def test_host_kernel_draws_from_eq7_and_names_bad_labels():
-    from pipeline.confusion import as_alpha
-    from pipeline.sampler import gibbs_draw_host
+    from pipeline.core.confusion import as_alpha
+    from pipeline.core.sampler import gibbs_draw_host
 
     gen = torch.Generator().manual_seed(2)
     probs, observed, z_old, counts = random_state(gen, m=4, k=4)
@@ -243,7 +248,7 @@ def test_host_kernel_draws_from_eq7_and_names_bad_labels():
 def test_host_moves_equal_the_tensor_path():
     """apply_moves_host (the CPU labeler's own moves) leaves C and z as apply_delta_ on the
     counted, moved samples does, returns those moves, and names a bad index."""
-    from pipeline.confusion import apply_delta_, apply_moves_host, count_matrix
+    from pipeline.core.confusion import apply_delta_, apply_moves_host, count_matrix
 
     gen = torch.Generator().manual_seed(7)
     n, k, k_latent = 200, 4, 5

@@ -19,10 +19,16 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline.manifest import Manifest, ManifestError
+from pipeline.data.manifest import Manifest, ManifestError
 from shards import cli, imagefolder
-from shards.writer import (BadImageError, SampleRecord, ShardError, WriterOptions, shard_name,
-                           write_split)
+from shards.writer import (
+    BadImageError,
+    SampleRecord,
+    ShardError,
+    WriterOptions,
+    shard_name,
+    write_split,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 CLASSES = ["airplane", "bird", "cat"]

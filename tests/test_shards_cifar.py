@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline.labels import LabelView
-from pipeline.manifest import Manifest
+from pipeline.core.labels import LabelView
+from pipeline.data.manifest import Manifest
 from shards import cifar, cli
 from shards.writer import ShardError
 
@@ -219,7 +219,7 @@ def test_labelview_instance_dependent_noise_from_the_images(cifar10_root, images
     """The label-view CLI's instance-dependent noise (Xia et al.): features are the decoded
     images in idx order, standardised per channel; the view is the generator's on them, and
     its realised rate lies within 3 standard errors of the asked rate."""
-    from pipeline.noise import instance_dependent
+    from pipeline.core.noise import instance_dependent
     from shards import labelview
 
     cifar.convert(cifar10_root, tmp_path, shard_size=100, progress=False)

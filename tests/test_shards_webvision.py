@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline.manifest import Manifest
+from pipeline.data.manifest import Manifest
 from shards import cli, webvision
 from shards.writer import ShardError
 

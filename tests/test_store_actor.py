@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.config import LCCNConfig, ModelConfig, OptimConfig, RunConfig
-from pipeline.dist_worker import DistConfig, LocalSession, load_state, run_worker
-from pipeline.ray_train import initial_assignment_placeholder
-from pipeline.store_actor import FenceError, LocalStoreClient, StoreActor
+from pipeline.core.config import LCCNConfig, ModelConfig, OptimConfig, RunConfig
+from pipeline.dist.ray_train import initial_assignment_placeholder
+from pipeline.dist.store_actor import FenceError, LocalStoreClient, StoreActor
+from pipeline.dist.worker import DistConfig, LocalSession, run_worker
+from pipeline.train.checkpoints import load_state
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "jobs"))
@@ -132,7 +133,7 @@ def test_counters_survive_a_restart_through_the_checkpoint():
 @pytest.fixture(scope="module")
 def ray_local():
     ray = pytest.importorskip("ray")
-    from pipeline.ray_train import init_ray
+    from pipeline.dist.ray_train import init_ray
 
     started = init_ray(num_cpus=1, include_dashboard=False, log_to_driver=False)
     yield ray
@@ -170,7 +171,7 @@ def test_real_actor_kill_fences_control_calls_and_keeps_counters(ray_local):
     """SIGKILL of the real actor (Ray restarts it empty): check_state and snapshot are
     refused, not answered with the fresh state; reopening from the checkpointed state
     brings back C, z, version and the counters."""
-    from pipeline.store_actor import ActorStoreClient, create_store_actor
+    from pipeline.dist.store_actor import ActorStoreClient, create_store_actor
 
     obs, z0, k, _ = _args(40, 4)
     handle = create_store_actor("fence-test", obs, z0, k, k)
@@ -204,8 +205,8 @@ def test_real_actor_kill_fences_control_calls_and_keeps_counters(ray_local):
 def test_non_finite_logits_stop_training_at_the_forward_pass():
     """A diverged model would otherwise hand NaN probabilities to the Gibbs step, which
     turns them into valid-looking labels and commits them."""
-    from pipeline.ray_train import NonFiniteError, stop_on_non_finite
-    from pipeline.sampler import gibbs_step
+    from pipeline.core.sampler import gibbs_step
+    from pipeline.dist.ray_train import NonFiniteError, stop_on_non_finite
 
     nan = torch.full((4, 3), float("nan"))
     z = gibbs_step(nan, torch.tensor([0, 1, 2, 0]), torch.tensor([0, 1, 2, 0]),
@@ -232,8 +233,8 @@ def _push_store(n=600, k=4, seed=0, trusted_every=0):
 
 
 def _labelers(clients, n: int, *, seed: int = 0, trusted=None, clean=None):
-    from pipeline.lccn import GibbsLabeler
-    from pipeline.warmup import smoothed_identity
+    from pipeline.core.warmup import smoothed_identity
+    from pipeline.train.labeler import GibbsLabeler
 
     clients[0].open(None)
     for c in clients[1:]:
@@ -420,7 +421,7 @@ def test_push_packed_round_trips_and_packs_small():
     """The Ray client's wire format: int16 labels and moves, int32 counts, back to int64."""
     import numpy as np
 
-    from pipeline.store_actor import unpack_sync
+    from pipeline.dist.store_actor import unpack_sync
 
     a, b = _push_store(), _push_store()
     fa, fb = a.open(None), b.open(None)
@@ -455,7 +456,7 @@ def test_push_over_a_real_actor_keeps_the_chain_and_is_fenced(ray_local):
     """Two labelers push through ActorStoreClient (packed int16/int32 arrays, replies taken
     when they have arrived): C == recount(z), z holds every drawn label, the replicas
     catch up exactly; after the actor is killed and reopened, a push is refused."""
-    from pipeline.store_actor import ActorStoreClient, create_store_actor
+    from pipeline.dist.store_actor import ActorStoreClient, create_store_actor
 
     local = _push_store()
     handle = create_store_actor("push-test", local.observed, local.z, local.k_latent,

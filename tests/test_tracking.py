@@ -1,4 +1,4 @@
-"""pipeline.tracking and pipeline.plots against real MLflow stores: a local sqlite file and a
+"""pipeline.track.tracking and pipeline.track.plots against real MLflow stores: a local sqlite file and a
 real ``mlflow server`` (sqlite backend, proxied artifacts) started by this module.
 
 The server boots in the background (~25 s on 2 cores: DB migrations, then uvicorn) while
@@ -24,9 +24,14 @@ import pytest
 import torch
 from mlflow import MlflowClient
 
-from pipeline import plots
-from pipeline.config import LCCNConfig, OptimConfig, RunConfig
-from pipeline.tracking import Tracker, default_tracking_uri, flatten_params, write_transition_csv
+from pipeline.core.config import LCCNConfig, OptimConfig, RunConfig
+from pipeline.track import plots
+from pipeline.track.tracking import (
+    Tracker,
+    default_tracking_uri,
+    flatten_params,
+    write_transition_csv,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship",
@@ -320,7 +325,7 @@ def test_misuse_is_reported(sqlite_run_dir):
 
 
 def test_latent_rows_without_class_names_name_the_outlier_row():
-    from pipeline.plots import latent_names
+    from pipeline.track.plots import latent_names
 
     assert latent_names(4, None, 3) == ["0", "1", "2", "outlier"]
     assert latent_names(3, None, 3) == ["0", "1", "2"]

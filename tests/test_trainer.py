@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import LCCNConfig, ModelConfig, OptimConfig, RunConfig, from_dict
-from pipeline.digits import clean_view, load_digits_arrays, split_indices, to_tensor
-from pipeline.labels import LabelView
-from pipeline.noise import CIFAR10_ASYM_MAP, open_set, pair_flip, trusted_subset
-from pipeline.trainer import LocalTrainer, TensorData
+from pipeline.core.config import LCCNConfig, ModelConfig, OptimConfig, RunConfig, from_dict
+from pipeline.core.labels import LabelView
+from pipeline.core.noise import CIFAR10_ASYM_MAP, open_set, pair_flip, trusted_subset
+from pipeline.data.digits import clean_view, load_digits_arrays, split_indices, to_tensor
+from pipeline.train.trainer import LocalTrainer, TensorData
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "jobs"))
 import quickstart  # noqa: E402
@@ -91,7 +91,7 @@ def test_lccn_star_outlier_row_and_lccn_plus_trusted_targets(monkeypatch):
     """LCCN*: pixel-shuffled (open-set) samples end in the outlier latent class far more
     often than real ones. LCCN+: trusted samples are trained on their clean label (the
     targets the labeler returns), even where their observed label is wrong."""
-    from pipeline import lccn
+    from pipeline.train import labeler as lccn
 
     xtr, ytr, xte, yte = _digits()
     view = open_set(ytr, 10, 0.2, seed=0)
@@ -185,7 +185,7 @@ def test_class_count_mismatch_is_an_error():
 def _open_set_digits(seed=0, fraction=0.2):
     """Digits with ``fraction`` of the training samples made out-of-distribution
     (pixel-shuffled, their label kept), as the shard loader shows an open-set view."""
-    from pipeline.trainer import open_set_images
+    from pipeline.train.trainer import open_set_images
 
     xtr, ytr, xte, yte = _digits(seed)
     view = open_set(ytr, 10, fraction, seed=seed)
@@ -217,7 +217,7 @@ def test_lccn_star_exports_p_outlier_that_ranks_planted_outliers_first(tmp_path)
     (other seeds: benchmarks/results/outliers.md)."""
     from mlflow import MlflowClient
 
-    from pipeline.engine import Tracking
+    from pipeline.train.engine import Tracking
 
     train, test = _open_set_digits()
     view = train.labels
@@ -273,7 +273,7 @@ def test_posterior_window_sums_columns_over_its_epochs_and_resumes_mid_epoch():
     """The one posterior accumulator (label-issue report, LCCN*'s p(outlier)): only the
     window's epochs count, ``columns`` selects, a merge at a checkpoint moment makes a run
     resumed from it end with the uninterrupted run's sums, and a wrong shape is named."""
-    from pipeline.label_issues import PosteriorWindow
+    from pipeline.core.posterior import PosteriorWindow
 
     def window():
         return PosteriorWindow(num_samples=5, width=1, columns=slice(2, 3), first=1,
@@ -313,9 +313,9 @@ def test_posterior_window_sums_columns_over_its_epochs_and_resumes_mid_epoch():
 
 
 def test_outlier_prior_applies_only_during_the_outlier_warm_up():
-    from pipeline.confusion_store import ConfusionStore
-    from pipeline.lccn import GibbsLabeler
-    from pipeline.warmup import smoothed_identity
+    from pipeline.core.confusion_store import ConfusionStore
+    from pipeline.core.warmup import smoothed_identity
+    from pipeline.train.labeler import GibbsLabeler
 
     obs = torch.tensor([0, 1, 2, 0])
     store = ConfusionStore(obs, obs.clone(), 4, 3)
@@ -333,9 +333,9 @@ def test_outlier_prior_applies_only_during_the_outlier_warm_up():
 
 
 def test_target_ramp_rises_linearly_over_ramp_epochs_of_steps():
-    from pipeline.confusion_store import ConfusionStore
-    from pipeline.lccn import GibbsLabeler
-    from pipeline.warmup import smoothed_identity
+    from pipeline.core.confusion_store import ConfusionStore
+    from pipeline.core.warmup import smoothed_identity
+    from pipeline.train.labeler import GibbsLabeler
 
     obs = torch.tensor([0, 1, 2, 0])
 
@@ -384,7 +384,7 @@ class _KeepCheckpoints:
     checkpointing = True
 
     def __init__(self, resume=None):
-        from pipeline.engine import ProcessSession
+        from pipeline.train.session import ProcessSession
         self._inner = ProcessSession("cpu")
         self.rank, self.world_size, self.device = 0, 1, self._inner.device
         self.resume, self.states = resume, []
@@ -406,8 +406,8 @@ def test_weight_average_follows_its_recurrence_scores_the_run_and_is_checkpointe
     and test score the average, not the live weights; the checkpoint carries it and a run
     resumed from that checkpoint starts from it (from the weights for a checkpoint written
     without one)."""
-    from pipeline.engine import ema_decay_at
-    from pipeline.loop import evaluate
+    from pipeline.train.loop import evaluate
+    from pipeline.train.members import ema_decay_at
 
     xtr, ytr, xte, yte = _digits()
     view = pair_flip(ytr, 10, CIFAR10_ASYM_MAP, 0.4, seed=0)
@@ -475,7 +475,7 @@ def test_init_from_starts_a_fresh_run_from_another_runs_final_weights(tmp_path):
     checkpoint is found from its run folder; LCCN with no pre-training starts from those
     weights (and average) with a fresh optimiser at epoch 0 in its noise phase; a wrong
     path, two runs, a network count or shape that does not fit are errors naming the file."""
-    from pipeline.engine import init_state_file
+    from pipeline.train.checkpoints import init_state_file
 
     xtr, ytr, xte, yte = _digits()
     view = pair_flip(ytr, 10, CIFAR10_ASYM_MAP, 0.4, seed=0)

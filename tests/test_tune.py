@@ -14,11 +14,21 @@ import time
 import pytest
 from ray import tune as ray_tune
 
-from pipeline.config import RunConfig
-from tune import results
-from tune.search_spaces import (METRIC, PAPER_ALPHAS, REPORTED_BESIDE, TIME_ATTR,
-                                apply_point, get_space, load_space, sample_point,
-                                scaled_lr_values, to_tune, with_alpha_grid)
+from pipeline.core.config import RunConfig
+from tune import results, trial
+from tune.search_spaces import (
+    METRIC,
+    PAPER_ALPHAS,
+    REPORTED_BESIDE,
+    TIME_ATTR,
+    apply_point,
+    get_space,
+    load_space,
+    sample_point,
+    scaled_lr_values,
+    to_tune,
+    with_alpha_grid,
+)
 
 KNOBS = {"lccn.alpha", "lccn.anneal", "lccn.warmup_steps", "lccn.warmup", "lccn.targets",
          "lccn.ramp_epochs", "optim.lr"}
@@ -262,10 +272,9 @@ def test_every_job_builds_a_trial_run_from_its_space(job, tmp_path):
     """The trainable's run for each job (smoke data, nothing trained): the sampled point is
     in the RunConfig, the run dir and name are the trial's, the MLflow run will be a child of
     the parent run."""
-    from tune import sweep
 
     point = sample_point(get_space(job), seed=5)
-    mod, args, jr = sweep.trial_run(point, job=job, job_argv=["--smoke-test"],
+    mod, args, jr = trial.trial_run(point, job=job, job_argv=["--smoke-test"],
                                     sweep_dir=str(tmp_path), trial_id="abc_00001",
                                     tracking_uri=f"sqlite:///{tmp_path}/m.db",
                                     experiment="lccn-sweep-x", parent_run_id="p123")
@@ -282,10 +291,9 @@ def test_every_job_builds_a_trial_run_from_its_space(job, tmp_path):
 
 def test_a_trial_is_warned_about_its_own_warm_up(tmp_path):
     """The warm-up warning speaks of the trial's δ (a swept field), not the job's."""
-    from tune import sweep
 
     def trial_log(point, *job_argv):
-        _, _, jr = sweep.trial_run(point, job="cifar", job_argv=["--smoke-test", *job_argv],
+        _, _, jr = trial.trial_run(point, job="cifar", job_argv=["--smoke-test", *job_argv],
                                    sweep_dir=str(tmp_path), trial_id="w_00001",
                                    tracking_uri=None, experiment="x", parent_run_id=None)
         return [line for line in jr.lines() if "warning: --warmup-steps" in line]
@@ -305,7 +313,7 @@ def test_orphaned_placement_groups_are_released_and_others_kept():
     import ray
     from ray.util.placement_group import placement_group, placement_group_table
 
-    from pipeline.ray_train import init_ray, release_orphaned_placement_groups
+    from pipeline.dist.ray_train import init_ray, release_orphaned_placement_groups
 
     @ray.remote(num_cpus=0)
     class Maker:

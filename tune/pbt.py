@@ -39,8 +39,10 @@ from typing import Any
 
 from ray.train.v2.api.callback import UserCallback
 
+from pipeline.train.checkpoints import META_FILE, STATE_FILE
+from tune import trial
 from tune.reporting import epoch_result
-from tune.search_spaces import TIME_ATTR
+from tune.search_spaces import TIME_ATTR, to_tune
 
 # what PBT perturbs (x0.8 / x1.2, or resampled from these with probability 1/4), clipped
 # into the configs' ranges after each perturbation
@@ -88,8 +90,6 @@ def make_scheduler(*, max_t: int, fits: bool, time_attr: str = TIME_ATTR, interv
 
 
 def _mutation_domains() -> dict[str, Any]:
-    from tune.search_spaces import to_tune
-
     return to_tune(MUTATIONS)
 
 
@@ -148,7 +148,6 @@ def seed_run(checkpoint_dir: str | Path, run_root: Path) -> dict[str, Any]:
     ``meta.json``. An existing seed is kept (a restarted trial resuming its own run)."""
     import torch
 
-    from pipeline.engine import META_FILE, STATE_FILE
 
     src = Path(checkpoint_dir)
     meta = json.loads((src / META_FILE).read_text())
@@ -170,7 +169,6 @@ def _report(result: dict[str, Any], path: str | None) -> None:
     """One Tune result with a copy of the Train checkpoint at ``path``."""
     import ray.tune
 
-    from pipeline.engine import META_FILE, STATE_FILE
 
     with tempfile.TemporaryDirectory(prefix="lccn-pbt-") as tmp:
         try:
@@ -188,9 +186,8 @@ def run_trial(config: dict[str, Any], **kwargs: Any) -> None:
     import ray.tune
     from ray.util.queue import Queue
 
-    from tune import sweep
 
-    sweep.job_module(kwargs["job"])
+    trial.job_module(kwargs["job"])
     import common
 
     trial_id = ray.tune.get_context().get_trial_id()
@@ -213,7 +210,7 @@ def run_trial(config: dict[str, Any], **kwargs: Any) -> None:
         f.write(json.dumps({"time": time.time(), "run_name": run_name, "restored_from": source,
                             "epoch": epoch, "global_step": step, "config": config},
                            default=str) + "\n")
-    mod, args, jr = sweep.trial_run(config, trial_id=trial_id, run_name=run_name,
+    mod, args, jr = trial.trial_run(config, trial_id=trial_id, run_name=run_name,
                                     extra_tags=tags, **kwargs)
     queue = Queue(actor_options={"num_cpus": 0})
     errors: list[BaseException] = []

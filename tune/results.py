@@ -4,7 +4,7 @@ Trials are ranked by their *selected* epoch (``--metric val_nll``: the lowest he
 negative log-likelihood of the noisy labels instead): the epoch with the highest
 noisy-validation accuracy ``val_top1`` (accuracy on the held-out split against its observed labels, what a
 user with noisy data has; the first such epoch on ties, as
-:func:`pipeline.engine.select_epoch`). The clean test accuracy of that same epoch,
+:func:`pipeline.train.engine.select_epoch`). The clean test accuracy of that same epoch,
 ``test_top1``, is reported beside it and never used to rank. A trial stopped early by the
 scheduler keeps the epochs it ran.
 

@@ -1,7 +1,7 @@
 """Search spaces of the LCCN sweeps, as plain data keyed by config field names.
 
 A space maps ``"<section>.<field>"`` (a field of a nested config of
-:class:`pipeline.config.RunConfig`: ``lccn``, ``optim``, ``model``) or ``"<field>"`` (a
+:class:`pipeline.core.config.RunConfig`: ``lccn``, ``optim``, ``model``) or ``"<field>"`` (a
 top-level RunConfig field) to a *spec*, JSON-able data:
 
     {"loguniform": [lo, hi]}   {"uniform": [lo, hi]}   {"randint": [lo, hi]}  (hi excluded)
@@ -32,7 +32,7 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
-from pipeline.config import RunConfig, scaled_lr_values  # noqa: F401 (re-exported)
+from pipeline.core.config import RunConfig, scaled_lr_values  # noqa: F401 (re-exported)
 
 METRIC = "val_top1"  # what a sweep ranks and stops trials by by default (noisy validation)
 MODE = "max"

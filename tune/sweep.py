@@ -41,93 +41,40 @@ lowers it). The trial driver asks for memory and no CPU, so that two workers fit
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
-import importlib
 import json
 import math
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from ray.tune import Callback
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "jobs"))
-sys.path.insert(0, str(REPO))
-
-from tune.search_spaces import (METRIC, RANKING, REPORTED_BESIDE, SPACES, TIME_ATTR,  # noqa: E402
-                                apply_point, get_space, load_space, sample_point,
-                                scaled_lr_values, to_tune, with_alpha_grid)
+from pipeline.core.config import RunConfig
+from pipeline.dist.ray_train import release_orphaned_placement_groups
+from pipeline.track import plots
+from pipeline.track.tracking import Tracker, default_tracking_uri
+from pipeline.train.methods import get_method
+from tune import pbt
+from tune.pbt import LOG_FILE as PBT_LOG_FILE
+from tune.results import rank_trials, to_csv, to_markdown
+from tune.search_spaces import (
+    METRIC,
+    RANKING,
+    REPORTED_BESIDE,
+    SPACES,
+    TIME_ATTR,
+    apply_point,
+    get_space,
+    load_space,
+    sample_point,
+    to_tune,
+    with_alpha_grid,
+)
+from tune.trial import JOBS, job_module, run_trial
 
 TRIAL_MEMORY = 256 * 1024**2  # bytes the trial driver reserves (it takes no CPU)
-JOBS = {"quickstart": "quickstart_ray", "cifar": "cifar_lccn",
-        "clothing1m": "clothing1m_lccn", "webvision": "webvision_divide_lccn"}
 PARENT_TAG = "sweep_role"  # tag of the parent run ("parent"); children carry mlflow.parentRunId
-
-
-def job_module(job: str):
-    """The job's module (``jobs/<name>.py``): ``get_args_parser``, ``prepare_run``, ``JOB``."""
-    for path in (str(REPO), str(REPO / "jobs")):  # in a Ray worker, too
-        if path not in sys.path:
-            sys.path.insert(0, path)
-    if job not in JOBS:
-        raise ValueError(f"unknown job {job!r}; known: {sorted(JOBS)}")
-    return importlib.import_module(JOBS[job])
-
-
-def trial_run(config: dict[str, Any], *, job: str, job_argv: list[str], sweep_dir: str,
-              trial_id: str, tracking_uri: str | None, experiment: str,
-              parent_run_id: str | None, run_name: str | None = None,
-              extra_tags: list[tuple[str, str]] | None = None):
-    """The run of one trial, built and not started: ``(module, args, JobRun)`` of ``job``
-    with ``config`` (a sampled point, keys like ``"lccn.alpha"``) applied to its RunConfig,
-    run dir ``<sweep_dir>/trials/<trial_id>``, run name ``run_name`` (default the trial id;
-    a PBT trial restarted from a checkpoint runs a new one) and the MLflow tags of a child
-    of ``parent_run_id`` (plus ``extra_tags``)."""
-    mod = job_module(job)
-    import common
-
-    argv = list(job_argv) + ["--run-dir", str(Path(sweep_dir) / "trials" / trial_id),
-                             "--run-name", run_name or trial_id, "--experiment", experiment]
-    argv += ["--tracking-uri", tracking_uri] if tracking_uri else ["--no-tracking"]
-    args = mod.get_args_parser().parse_args(argv)
-    jr = mod.prepare_run(args)
-    run = apply_point(jr.run, config)
-    dist = jr.dist
-    if dist.lr_values and run.optim.lr != jr.run.optim.lr:  # piecewise schedule: scale it
-        dist = dataclasses.replace(dist, lr_values=scaled_lr_values(dist.lr_values,
-                                                                    run.optim.lr))
-    tags = [("tune.trial_id", trial_id), *(extra_tags or [])]
-    if parent_run_id:
-        tags.append(("mlflow.parentRunId", parent_run_id))
-    dist = dataclasses.replace(dist, mlflow_tags=tuple(tags))
-    # the job's run warnings (the warm-up's) spoke of its own δ and schedule: the trial's
-    log = [*jr.log, f"[sweep] trial {trial_id}: {json.dumps(config, default=str)}"]
-    note = (common.warmup_covers_phase(run, jr.manifest, args.num_workers)
-            if jr.manifest is not None else None)
-    return mod, args, common.JobRun(
-        run=run, dist=dist, view=jr.view, log=log, manifest=jr.manifest,
-        run_warnings=[f"[sweep] trial {trial_id}: warning: {note}"] if note else [])
-
-
-def run_trial(config: dict[str, Any], **kwargs: Any) -> None:
-    """Tune function trainable: the trial's run (:func:`trial_run`) fitted on Ray. The Train
-    run's epoch reports go to Tune through :class:`tune.reporting.EpochReport`; nothing is
-    reported after ``fit()``. A trial run again (a restored sweep) resumes its Train run from
-    its last checkpoint."""
-    import ray.tune
-
-    job_module(kwargs["job"])
-    import common
-
-    from tune.reporting import EpochReport
-
-    trial_id = ray.tune.get_context().get_trial_id()
-    mod, args, jr = trial_run(config, trial_id=trial_id, **kwargs)
-    common.run_job(args, job=mod.JOB, run=jr.run, dist=jr.dist, view=jr.view, log=jr.lines(),
-                   callbacks=[EpochReport()])
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -218,7 +165,6 @@ def resolve_space(args: argparse.Namespace) -> dict[str, Any]:
                          f".json file")
     if args.alpha_grid:
         space = with_alpha_grid(space)
-    from pipeline.config import RunConfig
 
     try:  # every key names a config field, every value the configs accept
         for point in edge_points(space):
@@ -260,8 +206,6 @@ def inert_keys(space: dict[str, Any], method: str) -> list[str]:
     without a Gibbs chain, except ``lccn.xi``, the clip of every single-network method's
     loss (DivideMix's losses are not clipped); DivideLCCN trains on co-refined targets, so
     neither the LCCN target nor its ramp reaches it."""
-    from pipeline.methods import get_method
-
     if not get_method(method).needs_chain:
         return [k for k in space if k.startswith("lccn.")
                 and (k != "lccn.xi" or method == "dividemix")]
@@ -275,7 +219,6 @@ def parent_tracker(tracking_uri: str, experiment: str, name: str, params: dict[s
     or a new one named ``name``."""
     from mlflow import MlflowClient
 
-    from pipeline.tracking import Tracker
 
     client = MlflowClient(tracking_uri)
     run_id = None
@@ -337,8 +280,6 @@ def trial_records(grid, *, epochs: int, sweep_dir: Path | None = None) -> list[d
     (finished / stopped early / error / unfinished: not run to its end, in an interrupted
     sweep), ``history`` (its per-epoch results, with the config each ran under where a PBT
     trial's log under ``sweep_dir`` says), ``error``."""
-    from tune.pbt import LOG_FILE as PBT_LOG_FILE
-
     tune_status = {Path(t.path).name: t.status for t in
                    getattr(getattr(grid, "_experiment_analysis", None), "trials", None) or []
                    if getattr(t, "path", None)}
@@ -415,14 +356,12 @@ class ReleasePlacementGroups(Callback):
     """Tune callback of the driver: every few seconds and when a trial ends, remove the
     placement groups of Train runs whose controller was killed with its trial (a trial ASHA
     stopped), so that their CPUs/GPUs go to the next trial
-    (:func:`pipeline.ray_train.release_orphaned_placement_groups`)."""
+    (:func:`pipeline.dist.ray_train.release_orphaned_placement_groups`)."""
 
     def __init__(self, every_s: float = 5.0) -> None:
         self.every_s, self.last = every_s, 0.0
 
     def _release(self) -> None:
-        from pipeline.ray_train import release_orphaned_placement_groups
-
         self.last = time.monotonic()
         removed = release_orphaned_placement_groups()
         if removed:
@@ -449,9 +388,6 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
     from ray.tune.search.basic_variant import BasicVariantGenerator
 
-    from pipeline import plots
-    from pipeline.tracking import default_tracking_uri
-    from tune.results import rank_trials, to_csv, to_markdown
 
     args = get_args_parser().parse_args(argv)
     metric, mode = args.metric, RANKING[args.metric]
@@ -474,8 +410,6 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
               f"left out of the space", flush=True)
         space = {k: v for k, v in space.items() if k not in inert}
     if args.scheduler == "pbt":
-        from tune import pbt
-
         space = pbt.pbt_space(space)  # (adds the mutated keys it lacks: drawn at random)
     num_samples = args.num_samples or default_num_samples(space, smoke=args.smoke_test)
     if num_samples > 1 and default_num_samples(space, smoke=False) == 1:
@@ -505,8 +439,6 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
                                     cpus_per_worker=probe.cpus_per_worker)
         if args.max_concurrent:
             concurrent = max(1, min(concurrent, args.max_concurrent))
-        if args.scheduler == "pbt":
-            from tune import pbt
         fn = functools.partial(pbt.run_trial if args.scheduler == "pbt" else run_trial,
                                job=args.job, job_argv=job_argv,
                                sweep_dir=str(sweep_dir), tracking_uri=tracking,

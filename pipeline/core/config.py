@@ -1,0 +1,517 @@
+"""Typed, frozen configs, one per concern. Jobs build them; at the Ray boundary they travel
+as ``asdict`` dicts and are rebuilt with :func:`from_dict` first thing in the worker."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+METHODS = ("ce", "lccn", "dividemix", "divide_lccn", "bootstrap", "forward", "sadapt",
+           "trevision")
+DIVISION_LOSSES = ("lccn", "prediction")
+WARMUPS = ("eq8", "identity", "anchor")
+INITS = ("argmax", "observed")
+WARMUP_PRIORS = ("model", "deconvolved")
+TARGETS = ("sample", "posterior", "map")
+TRANSITIONS = ("anchor", "eq8", "file")
+
+
+@dataclass(frozen=True)
+class LCCNConfig:
+    """The LCCN sampler and its variants.
+
+    alpha: Dirichlet parameter, scalar or one value per observed class (> 0).
+    warmup_steps: δ, LCCN steps during which the conditional transition is replaced by
+        ``phi_init``.
+    warmup: how ``phi_init`` is estimated from the pretrained classifier. ``"anchor"``
+        (default): the anchor-point estimate (Patrini et al. 2017): a classifier trained
+        with CE on the observed labels estimates the *noisy* posterior P(ỹ | x), which at
+        samples that surely belong to class k equals row k of phi. Consistent for a weak,
+        under-confident classifier too. ``"eq8"``: the paper's Eq. 8 soft confusion, which
+        treats the classifier as the *clean* posterior: a flat (weak) classifier shrinks
+        its diagonal towards 1/K, the chain then follows the classifier more than the
+        labels and can collapse (see docs/fidelity.md). ``"identity"``: ``(1-s) I + s/K``.
+    warmup_prior: what Eq. 7 reads as the prior P(z | x) during the warm-up (and the
+        ``argmax`` initial assignment). ``"model"`` (default, the paper): the classifier's
+        probabilities. ``"deconvolved"``: the classifier read as what CE pre-training made
+        it, the *noisy* posterior P(ỹ | x) (as the anchor estimate reads it), and turned
+        into the clean one through ``phi_init`` (:func:`pipeline.core.warmup.deconvolve`). The
+        paper's reading counts the noise twice: under a 0.5 cat→dog flip a CE classifier
+        says 0.5 / 0.5 on a cat labelled dog, Eq. 7 draws it back to cat with probability
+        1/3 instead of 1, and the counts that take over after the warm-up start from
+        ``phi[cat, dog]`` near 0.25 instead of 0.5, where they stay (with posterior targets
+        every such split is a fixed point). On CIFAR-10 at asymmetric 0.5 (CPU benchmark,
+        three seeds) the deconvolved prior takes the φ error from 0.015 to 0.009 and the
+        accuracy up 0.9 points, after a first LCCN epoch that overshoots (z relabels more
+        than the noise did). Off by default: from a flat classifier under symmetric or
+        instance-dependent noise the deconvolution amplifies its errors and the warm-up
+        collapses for an epoch (once ending 3.9 points below CE;
+        benchmarks/results/cifar.md). For noise that flips class pairs.
+    anchor_quantile: the anchors of class k are the samples whose P(k | x) is at or above
+        this quantile of P(k | ·) over the training split (0.97 as in Patrini et al.).
+    targets: what the classifier regresses on. ``"posterior"`` (default): the Eq. 7
+        conditional p(z_m = k | ...) itself, i.e. the expectation of the paper's loss on
+        the sampled label over the Gibbs draw (Rao-Blackwellised: the same expected
+        gradient, without the variance of a one-hot draw from a flat posterior, which is
+        what lets a weak classifier train on targets noisier than the observed labels).
+        The chain (z and C) is still advanced by the exact Eq. 7 draw. ``"sample"``: the
+        paper's one-hot z.
+    ramp_epochs: the LCCN target's weight in the loss rises linearly from 0 to 1 over this
+        many epochs at the start of the LCCN phase, the observed label taking the rest (0 =
+        the paper: the LCCN target alone from the first step). The Eq. 7 posterior is only
+        as good as the classifier: from a weak pre-trained classifier it is noisier than the
+        labels, and a classifier trained on it at once degrades and drags the chain down with
+        it; the ramp lets it keep learning from the labels while its posterior improves. It is
+        counted in epochs, not as a share of the phase, because what it must outlast is a
+        pass or two of the classifier over its own posterior, whatever the schedule's
+        length, and every epoch of it teaches the classifier the flips the noise model then
+        has to unlearn (on CIFAR-10 at asymmetric 0.5 from 8 CE epochs: +9.9 points over CE
+        without a ramp, +6.4 with four epochs of it). One epoch (default) keeps a weak digits
+        start 3 points above CE (4 below without a ramp); from a very weak CIFAR-10 start
+        (3 CE epochs) it ends a point below CE and two epochs end level with it
+        (docs/fidelity.md has the table).
+    anneal: power annealing γ = max(exp(-anneal_rate * step / max_step), anneal_floor)
+        (the paper's setting on Clothing1M/WebVision); off (γ = 1) by default, as on CIFAR.
+    outlier: LCCN*, ``K_latent = K + 1`` with the last latent class = out of distribution.
+    outlier_prior, outlier_warmup: the outlier row's own warm-up (LCCN* only). Over the
+        first ``outlier_warmup`` fraction of the LCCN phase, Eq. 7 reads the classifier's
+        probabilities as ``(1 - ε) P(· | x) + ε e_K`` with ``ε = outlier_prior``: the CE
+        pre-training on K observed classes only ever pushes the outlier logit down, so
+        without a prior mass Eq. 7 (``P(K | x) φ[K, j]``) almost never proposes the outlier
+        class and LCCN* stays LCCN (docs/methods.md). Off (0) by default: on real CIFAR-10
+        (benchmarks/results/cifar_methods.md) ε = 0.5 cost LCCN* 1-2 points of test
+        accuracy in three settings and 15 at symmetric 0.5, where the weak diagonal of φ
+        lets the prior draw in-distribution samples into the outlier class. Set it (0.5
+        over the first half: the best tried on the digits with 20% planted outliers,
+        benchmarks/results/outliers.md) when the outlier flags are what you are after:
+        without it the exported p(outlier) still ranks outliers first but rarely crosses
+        the flag threshold.
+    outlier_epochs, outlier_threshold: at the end of an LCCN* run every training sample's
+        p(outlier), the Eq. 7 posterior of the outlier class averaged over its draws in the
+        last ``outlier_epochs`` epochs, is exported (``outliers.csv``) with a flag
+        ``p(outlier) > outlier_threshold``.
+    refresh_steps: after the warm-up, Eq. 7's transition term is the exact collapsed
+        conditional ``(α_j + C¬[k, j]) / Σ_j' (α_j' + C¬[k, j'])`` of the current counts,
+        the sample's own count removed, at every step (1, default). With n > 1 it is
+        ``φ = (C + α) / rowsum`` of the counts as they were at the last refresh, refreshed
+        every n LCCN steps, as in the paper's code (``freq_trans = 200``): the classifier
+        then samples against a transition that does not follow its last few hundred draws,
+        which damps the loop of a chain chasing its own recent moves (one more option of the
+        paper's protocol; on the CPU benchmark within a few tenths of a point of the exact
+        conditional, benchmarks/results/cifar.md, so off). DivideLCCN's co-refinement reads the
+        same transition; its division loss keeps the current counts. The refresh point
+        restarts at a resumed run's first step.
+    use_trusted: LCCN+, trusted samples train on their clean label and are never counted.
+    commit_every: a worker sends its sampled labels to the store once every this many
+        steps, in one call (1: one call per step). Its own moves reach its replica of C at
+        once; the other workers' arrive up to ``commit_every`` of their steps later (the
+        staleness metric). One worker samples the same chain whatever the value. Default 8:
+        one actor then absorbs ~200,000-360,000 samples/s at batch 64 instead of ~30,000,
+        with no measurable change in accuracy (benchmarks/results/actor.md, staleness.md);
+        keep it well under the steps of an epoch (a distributed worker caps it at a
+        quarter of its steps per epoch).
+    report_epochs: the label-issue report (:mod:`pipeline.track.label_issues`) averages each
+        training sample's Eq. 7 posterior over the run's last this many LCCN epochs
+        (0: off; memory N x K_latent floats per worker).
+    """
+
+    alpha: float | tuple[float, ...] = 1.0
+    warmup_steps: int = 0
+    warmup: str = "anchor"
+    warmup_smoothing: float = 0.1
+    anchor_quantile: float = 0.97
+    init: str = "argmax"
+    warmup_prior: str = "model"
+    targets: str = "posterior"
+    ramp_epochs: float = 1.0
+    anneal: bool = False
+    anneal_floor: float = 0.5
+    anneal_rate: float = 0.8
+    xi: float = 1e-20
+    outlier: bool = False
+    outlier_prior: float = 0.0
+    outlier_warmup: float = 0.5
+    outlier_epochs: int = 2
+    outlier_threshold: float = 0.5
+    use_trusted: bool = False
+    refresh_steps: int = 1
+    commit_every: int = 8
+    report_epochs: int = 5
+
+    def __post_init__(self) -> None:
+        alphas = self.alpha if isinstance(self.alpha, (tuple, list)) else (self.alpha,)
+        if isinstance(self.alpha, list):
+            object.__setattr__(self, "alpha", tuple(self.alpha))
+        if not all(float(a) > 0 for a in alphas):
+            raise ValueError(f"alpha must be > 0, got {self.alpha}")
+        if self.warmup not in WARMUPS:
+            raise ValueError(f"warmup must be one of {WARMUPS}, got {self.warmup!r}")
+        if self.warmup_prior not in WARMUP_PRIORS:
+            raise ValueError(f"warmup_prior must be one of {WARMUP_PRIORS}, got "
+                             f"{self.warmup_prior!r}")
+        if self.targets not in TARGETS:
+            raise ValueError(f"targets must be one of {TARGETS}, got {self.targets!r}")
+        if not (0 <= self.ramp_epochs < float("inf")):
+            raise ValueError(f"ramp_epochs must be a finite number >= 0, got {self.ramp_epochs}")
+        if not 0 < self.anchor_quantile < 1:
+            raise ValueError(f"anchor_quantile must lie in (0, 1), got {self.anchor_quantile}")
+        if self.init not in INITS:
+            raise ValueError(f"init must be one of {INITS}, got {self.init!r}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0 < self.anneal_floor <= 1:
+            raise ValueError(f"anneal_floor must lie in (0, 1], got {self.anneal_floor}")
+        if not 0 < self.xi < 0.5:
+            raise ValueError(f"xi must lie in (0, 0.5), got {self.xi}")
+        if not 0 <= self.outlier_prior < 1:
+            raise ValueError(f"outlier_prior must lie in [0, 1), got {self.outlier_prior}")
+        if not 0 <= self.outlier_warmup <= 1:
+            raise ValueError(f"outlier_warmup must lie in [0, 1], got {self.outlier_warmup}")
+        if isinstance(self.outlier_epochs, bool) or not isinstance(self.outlier_epochs, int) \
+                or self.outlier_epochs < 1:
+            raise ValueError(f"outlier_epochs must be an integer >= 1, got "
+                             f"{self.outlier_epochs!r}")
+        if not 0 < self.outlier_threshold < 1:
+            raise ValueError(f"outlier_threshold must lie in (0, 1), got "
+                             f"{self.outlier_threshold}")
+        if isinstance(self.refresh_steps, bool) \
+                or not isinstance(self.refresh_steps, int) or self.refresh_steps < 1:
+            raise ValueError(f"refresh_steps must be an integer >= 1, got "
+                             f"{self.refresh_steps!r}")
+        if isinstance(self.commit_every, bool) or not isinstance(self.commit_every, int) \
+                or self.commit_every < 1:
+            raise ValueError(f"commit_every must be an integer >= 1, got {self.commit_every!r}")
+        if isinstance(self.report_epochs, bool) or not isinstance(self.report_epochs, int) \
+                or self.report_epochs < 0:
+            raise ValueError(f"report_epochs must be an integer >= 0, got {self.report_epochs!r}")
+
+
+@dataclass(frozen=True)
+class BaselineConfig:
+    """Options of the classic baselines (:mod:`pipeline.train.methods`: bootstrap, forward,
+    sadapt, trevision; the maths is :mod:`pipeline.core.baselines`). Defaults are the authors'.
+
+    bootstrap_beta: β of hard bootstrapping, the observed label's weight against the
+        network's own arg max (Reed et al. 2015: 0.8).
+    transition: how Forward and T-Revision get ``T[i, j] = P(observed = j | clean = i)``
+        at the start of the noise phase. ``"anchor"`` (default; Patrini et al. 2017 and
+        Xia et al. 2019): anchor points of the pretrained network at
+        ``anchor_quantile``; ``"eq8"``: the soft confusion of the pretrained network
+        against the observed labels (the LCCN paper's Eq. 8); ``"file"``: an oracle or
+        externally estimated matrix at ``transition_file`` (``.npy``, ``.json``, ``.csv``,
+        ``.txt``; :func:`pipeline.core.baselines.load_transition`). S-adaptation always starts
+        from Eq. 8 (Goldberger & Ben-Reuven 2017).
+    transition_file: the matrix for ``transition="file"`` (an absolute path in a
+        distributed run: every worker reads it).
+    anchor_quantile: the anchors of class k are the samples whose P(k | x) is at or above
+        this quantile (0.97 as Patrini et al. and Xia et al.).
+    revision_fraction: T-Revision's revision stage takes this last fraction of the noise
+        phase, importance reweighting the rest (the authors: 200 + 200 epochs, 0.5).
+    revision_lr, revision_weight_decay: the revision stage's Adam over the network and
+        the slack (the authors: 5e-7, 1e-4).
+    """
+
+    bootstrap_beta: float = 0.8
+    transition: str = "anchor"
+    transition_file: str | None = None
+    anchor_quantile: float = 0.97
+    revision_fraction: float = 0.5
+    revision_lr: float = 5e-7
+    revision_weight_decay: float = 1e-4
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.bootstrap_beta <= 1:
+            raise ValueError(f"bootstrap_beta must lie in [0, 1], got {self.bootstrap_beta}")
+        if self.transition not in TRANSITIONS:
+            raise ValueError(f"transition must be one of {TRANSITIONS}, got {self.transition!r}")
+        if self.transition == "file" and not self.transition_file:
+            raise ValueError("transition 'file' needs transition_file (the matrix's path)")
+        if not 0 < self.anchor_quantile < 1:
+            raise ValueError(f"anchor_quantile must lie in (0, 1), got {self.anchor_quantile}")
+        if not 0 <= self.revision_fraction < 1:
+            raise ValueError(f"revision_fraction must lie in [0, 1), got {self.revision_fraction}")
+        if not self.revision_lr > 0 or self.revision_weight_decay < 0:
+            raise ValueError(f"need revision_lr > 0 and revision_weight_decay >= 0, got "
+                             f"{self.revision_lr}, {self.revision_weight_decay}")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """SGD with a step schedule. Epoch counts are total epochs of the run; the first
+    ``pretrain_epochs`` train with plain cross-entropy on the observed labels (Algorithm 3,
+    line 1) for every method.
+
+    ema_decay: evaluate an exponential moving average of the weights (0: off, the live
+        weights). After global step t the average moves toward the weights by
+        ``1 - min(ema_decay, (1 + t) / (10 + t))`` (TensorFlow's ExponentialMovingAverage
+        with ``num_updates``); batch-norm statistics are the live network's. Validation,
+        test, model selection, the label-issue report's predictions and the pretrained
+        predictions that start a noise model (LCCN's and DivideLCCN's phi_init and z,
+        Forward's T) use the average; training (DivideMix's division and co-guessing
+        included) does not. A checkpoint keeps both: ``models`` (live) and ``emas``. The
+        paper's CIFAR code evaluates with 0.9999 (at its lr of 0.5 the live weights of a
+        noisy run swing by tens of points from one epoch to the next; the average steadied
+        that only partly in 29 epochs measured on a GPU: ``benchmarks/results/gpu.md``).
+    norm_weight_decay: the weight decay of the normalisation layers' parameters (batch-norm
+        scale and shift, and those of group-, layer- and instance-norm); None (default):
+        ``weight_decay``, as every other parameter. The paper's CIFAR code leaves them out of
+        its L2 penalty (0.0), as do many CIFAR and ImageNet recipes: these few parameters
+        set each channel's scale and offset directly, and decaying them pulls every channel
+        toward zero output rather than regularising what the network computes. A resumed run
+        must keep the value it was started with (the checkpoint's optimiser state holds the
+        groups).
+    """
+
+    epochs: int = 30
+    pretrain_epochs: int = 10
+    batch_size: int = 128
+    lr: float = 0.1
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    milestones: tuple[int, ...] = ()
+    lr_decay: float = 0.1
+    ema_decay: float = 0.0
+    norm_weight_decay: float | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.ema_decay < 1.0:
+            raise ValueError(f"OptimConfig.ema_decay must be in [0, 1), got {self.ema_decay}")
+        if self.norm_weight_decay is not None and not self.norm_weight_decay >= 0:
+            raise ValueError(f"OptimConfig.norm_weight_decay must be >= 0 (or None: "
+                             f"weight_decay), got {self.norm_weight_decay}")
+        if isinstance(self.milestones, list):
+            object.__setattr__(self, "milestones", tuple(self.milestones))
+        if self.epochs < 1 or not 0 <= self.pretrain_epochs <= self.epochs:
+            raise ValueError(f"need epochs >= 1 and 0 <= pretrain_epochs <= epochs, got "
+                             f"{self.epochs} and {self.pretrain_epochs}")
+        if self.batch_size < 1 or self.lr <= 0:
+            raise ValueError(f"batch_size and lr must be positive, got {self.batch_size}, {self.lr}")
+
+
+def check_bn_momentum(momentum: float) -> float:
+    """``momentum`` as a float if it is a batch-norm momentum (0 < m <= 1, PyTorch's
+    convention: the new batch's weight), else ValueError naming the value."""
+    m = float(momentum)
+    if not 0.0 < m <= 1.0:
+        raise ValueError(f"bn_momentum must lie in (0, 1] (PyTorch's convention: the weight "
+                         f"of the new batch; TensorFlow's decay 0.997 is 0.003), got {momentum}")
+    return m
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The classifier (:func:`pipeline.train.models.build_model`).
+
+    bn_momentum: momentum of the batch-norm layers' running statistics, in PyTorch's
+        convention (the weight of the new batch). None keeps PyTorch's 0.1. The paper's
+        CIFAR code (TensorFlow) keeps them with decay 0.997: ``bn_momentum = 0.003``.
+    """
+
+    name: str = "small_cnn"
+    in_channels: int = 3
+    bn_momentum: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.bn_momentum is not None:
+            check_bn_momentum(self.bn_momentum)
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """The collapse monitor (per epoch of the LCCN phase; see :mod:`pipeline.core.monitor`).
+
+    A chain *collapses* when latent classes merge or vanish, or when the classifier trained
+    on its own samples degrades. Each check compares against the state when LCCN started:
+
+    entropy_floor: the entropy of the latent-class histogram falls below this fraction of
+        the entropy of the observed-label histogram (classes merging).
+    vanish_floor: the smallest latent class holds less than this fraction of the smallest
+        observed class (a class vanishing).
+    val_drop: accuracy on the noisy validation split falls more than this many points
+        (as a fraction) below its value at the start of LCCN (the classifier degrading);
+        needs a validation split. Checked only in epochs whose learning rate is at most the
+        one the starting network was last trained at: a run restarted from a finished one
+        (``--init-from``) is compared once its schedule is back at that rate.
+    stop: stop the run (raise :class:`~pipeline.core.monitor.ChainCollapsed`) instead of only
+        warning.
+    """
+
+    entropy_floor: float = 0.9
+    vanish_floor: float = 0.25
+    val_drop: float = 0.10
+    stop: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("entropy_floor", "vanish_floor", "val_drop"):
+            v = getattr(self, name)
+            if not 0 <= v <= 1:
+                raise ValueError(f"monitor {name} must lie in [0, 1], got {v}")
+
+
+@dataclass(frozen=True)
+class DivideConfig:
+    """DivideMix and DivideLCCN (methods ``"dividemix"``, ``"divide_lccn"``; see
+    docs/methods.md). Their warm-up is ``OptimConfig.pretrain_epochs`` of cross-entropy.
+
+    p_threshold: a sample is in the labelled set when its clean probability (the GMM
+        posterior of the low-loss component) exceeds this.
+    temperature: sharpening T of co-refined and co-guessed labels.
+    mixmatch_alpha: MixMatch's Beta(alpha, alpha) (4 on CIFAR, 0.5 on Clothing1M/WebVision).
+    lambda_u: weight of the unlabelled loss, ramped in linearly over ``rampup_epochs``
+        after the warm-up (25 on CIFAR-10 at 50% symmetric noise, 0 on the web datasets).
+    conf_penalty: add the negative-entropy penalty to the warm-up cross-entropy (DivideMix
+        under asymmetric noise and on Clothing1M).
+    division_loss: what DivideLCCN divides on once its chains run: ``"lccn"`` (the LCCN
+        authors' code: cross-entropy of the LCCN posterior taken as logits) or
+        ``"prediction"`` (DivideMix's per-sample cross-entropy of the prediction).
+    gmm_seed: the mixture's ``random_state`` is ``gmm_seed + epoch``.
+    """
+
+    p_threshold: float = 0.5
+    temperature: float = 0.5
+    mixmatch_alpha: float = 4.0
+    lambda_u: float = 25.0
+    rampup_epochs: float = 16.0
+    conf_penalty: bool = False
+    division_loss: str = "lccn"
+    gmm_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.p_threshold <= 1:
+            raise ValueError(f"p_threshold must lie in [0, 1], got {self.p_threshold}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not self.mixmatch_alpha > 0:
+            raise ValueError(f"mixmatch_alpha must be > 0, got {self.mixmatch_alpha}")
+        if self.lambda_u < 0:
+            raise ValueError(f"lambda_u must be >= 0, got {self.lambda_u}")
+        if not self.rampup_epochs > 0:
+            raise ValueError(f"rampup_epochs must be > 0, got {self.rampup_epochs}")
+        if self.division_loss not in DIVISION_LOSSES:
+            raise ValueError(f"division_loss must be one of {DIVISION_LOSSES}, "
+                             f"got {self.division_loss!r}")
+
+
+SWITCHES = ("auto", "on", "off")
+AMPS = ("auto", "bf16", "off")
+COMPILES = ("off", "default", "reduce-overhead", "max-autotune-no-cudagraphs")
+
+
+@dataclass(frozen=True)
+class PerfConfig:
+    """Fast paths of the training step. ``"auto"`` means on for a CUDA device and off on the
+    CPU (where bf16 autocast and channels-last are slower or unsupported by the kernels);
+    the CPU path is the reference the exactness tests run.
+
+    amp: ``"bf16"`` autocast of the forward pass (logits and the loss stay float32).
+    channels_last: NHWC activations (cuDNN's fast convolution layout).
+    compile: ``torch.compile`` mode, ``"off"`` by default (compilation costs tens of
+        seconds per model and process); falls back to eager with a warning when the
+        compiler is unavailable or fails on the first batch.
+    cudnn_benchmark: let cuDNN time its convolution algorithms (fixed input sizes).
+    data_on_device: in-memory datasets (CIFAR, digits) are copied to the device once, and
+        the crop/flip augmentation runs there.
+    """
+
+    amp: str = "auto"
+    channels_last: str = "auto"
+    compile: str = "off"
+    cudnn_benchmark: str = "auto"
+    data_on_device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.amp not in AMPS:
+            raise ValueError(f"PerfConfig.amp must be one of {AMPS}, got {self.amp!r}")
+        if self.compile not in COMPILES:
+            raise ValueError(f"PerfConfig.compile must be one of {COMPILES}, got {self.compile!r}")
+        for name in ("channels_last", "cudnn_benchmark", "data_on_device"):
+            if getattr(self, name) not in SWITCHES:
+                raise ValueError(f"PerfConfig.{name} must be one of {SWITCHES}, "
+                                 f"got {getattr(self, name)!r}")
+
+    def enabled(self, name: str, device: str | object) -> bool:
+        """Whether switch ``name`` is on for ``device`` (``"auto"``: on for CUDA only)."""
+        value = getattr(self, name)
+        if name == "amp":
+            value = {"bf16": "on"}.get(value, value)
+        if value == "auto":
+            return str(device).startswith("cuda")
+        return value == "on"
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What to run: ``method`` is one of :data:`METHODS`: ``"ce"`` (baseline), ``"lccn"``
+    (variants via LCCNConfig), ``"dividemix"`` or ``"divide_lccn"`` (two networks, via
+    DivideConfig; DivideLCCN's chains take their sampler settings from LCCNConfig), or a
+    classic baseline (``"bootstrap"``, ``"forward"``, ``"sadapt"``, ``"trevision"``; options
+    in BaselineConfig).
+
+    val_fraction: the noisy validation split, carved from the training label view
+    (stratified by observed label, fixed by ``seed``) and never trained on nor counted in
+    C. Model selection uses accuracy against its *observed* labels (what a user has); the
+    clean test set is for the final report only. 0 disables it.
+    """
+
+    method: str = "lccn"
+    seed: int = 0
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    lccn: LCCNConfig = field(default_factory=LCCNConfig)
+    baseline: BaselineConfig = field(default_factory=BaselineConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    divide: DivideConfig = field(default_factory=DivideConfig)
+    perf: PerfConfig = field(default_factory=PerfConfig)
+    val_fraction: float = 0.05
+    check_invariants: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.val_fraction < 0.5:
+            raise ValueError(f"val_fraction must lie in [0, 0.5), got {self.val_fraction}")
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+
+
+T = TypeVar("T")
+
+
+def from_dict(cls: type[T], data: dict[str, Any]) -> T:
+    """Rebuild a (nested) config dataclass from ``asdict`` output; unknown keys are errors."""
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(data) - set(names)
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} fields: {sorted(unknown)}")
+    kwargs = {}
+    for key, value in data.items():
+        ftype = names[key].type
+        sub = _CONFIGS.get(ftype if isinstance(ftype, str) else getattr(ftype, "__name__", ""))
+        kwargs[key] = from_dict(sub, value) if sub and isinstance(value, dict) else value
+    return cls(**kwargs)
+
+
+_CONFIGS = {c.__name__: c for c in (LCCNConfig, BaselineConfig, OptimConfig, ModelConfig,
+                                    MonitorConfig, DivideConfig, PerfConfig, RunConfig)}
+
+
+def json_safe(obj: Any) -> Any:
+    """``obj`` with every NaN/infinite float replaced by None (strict JSON), through dicts,
+    lists and tuples."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def scaled_lr_values(lr_values: tuple[float, ...] | list[float], lr: float) -> tuple[float, ...]:
+    """A piecewise schedule whose first phase runs at ``lr``, the others scaled alike
+    (``(0.5, 0.1, 0.01)`` with lr 0.25 -> ``(0.25, 0.05, 0.005)``); empty stays empty."""
+    if not lr_values:
+        return ()
+    if not (lr > 0 and math.isfinite(lr)):
+        raise ValueError(f"optim.lr must be a positive number, got {lr!r}")
+    return tuple(v * lr / lr_values[0] for v in lr_values)

@@ -1,0 +1,142 @@
+"""Collapse monitor: is the Gibbs chain still telling the classes apart?
+
+A chain *collapses* when it drifts into a degenerate state the noise model cannot leave by
+itself: latent classes merge or vanish (z no longer separates the classes), or the
+classifier trained on its own samples degrades while phi absorbs the damage. The
+statistics here are cheap (one pass over z) and pure; the trainers compute them once per
+epoch from the store, log them, and hand them to :class:`CollapseMonitor`.
+
+Conventions: ``z (N,) int64`` in ``[0, K_latent)``, ``observed (N,) int64`` in ``[0, K)``,
+``phi[k, j] = P(observed = j | latent = k)`` (rows sum to 1).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+from torch import Tensor
+
+from pipeline.core.config import MonitorConfig
+
+
+class ChainCollapsed(RuntimeError):
+    """Raised by :meth:`CollapseMonitor.check` when ``MonitorConfig.stop`` is set."""
+
+
+class CollapseWarning(UserWarning):
+    """Emitted by :meth:`CollapseMonitor.check` for a degenerate chain."""
+
+
+def _entropy(hist: Tensor) -> float:
+    p = hist.to(torch.float64)
+    p = p / p.sum().clamp_min(1.0)
+    p = p[p > 0]
+    return float(-(p * p.log()).sum())
+
+
+def chain_health(z: Tensor, observed: Tensor, k_latent: int, num_classes: int, *,
+                 counted: Tensor | None = None, phi: Tensor | None = None,
+                 phi_init: Tensor | None = None) -> dict[str, float]:
+    """Statistics of the chain state over the counted samples.
+
+    Returns ``latent_entropy`` (entropy of the latent-class histogram over the first K
+    latent classes, in nats, divided by that of the observed-label histogram: 1 when z is
+    spread like the labels, lower when classes merge), ``latent_min_share`` (the smallest
+    of the first K latent classes relative to the smallest observed class; 0 = a class
+    vanished), ``z_agreement`` (fraction with z = observed), ``outlier_share`` (fraction in
+    the outlier row, 0 without one) and, when both are given, ``phi_drift`` (mean absolute
+    difference between phi and phi_init).
+    """
+    if counted is not None:
+        z, observed = z[counted], observed[counted]
+    zh = torch.bincount(z.long(), minlength=k_latent)
+    oh = torch.bincount(observed.long(), minlength=num_classes)
+    h_obs = _entropy(oh)
+    out = {
+        "latent_entropy": _entropy(zh[:num_classes]) / h_obs if h_obs > 0 else float("nan"),
+        "latent_min_share": float(zh[:num_classes].min()) / max(float(oh[oh > 0].min()), 1.0)
+        if oh.any() else float("nan"),
+        "z_agreement": float((z == observed).double().mean()) if z.numel() else float("nan"),
+        "outlier_share": float(zh[num_classes:].sum()) / max(z.numel(), 1),
+    }
+    if phi is not None and phi_init is not None:
+        out["phi_drift"] = float((phi.to(torch.float64) - phi_init.to(torch.float64))
+                                 .abs().mean())
+    return out
+
+
+class CollapseMonitor:
+    """Checks the per-epoch health of an LCCN run against :class:`MonitorConfig`.
+
+    ``start(val_top1, lr=)`` records the noisy validation accuracy when LCCN starts (NaN
+    without a validation split) and the learning rate the starting network was last
+    trained at (None: unknown); ``check(health, val_top1, lr=)`` returns the list of
+    reasons the chain looks collapsed (empty when healthy), warns with
+    :class:`CollapseWarning` and, with ``stop``, raises :class:`ChainCollapsed`.
+
+    The validation check compares like with like: it runs only in epochs whose learning
+    rate is at most the starting network's. A run that restarts the schedule from a
+    finished one (the paper's CIFAR protocol, ``--init-from``) begins at a far higher rate
+    than the one its start was trained at, and any method, CE included, loses accuracy
+    there for a while; the check waits until the schedule is back at the start's rate. A
+    run that switches to LCCN part way through one schedule goes on at the same rate, so
+    there it checks from the first LCCN epoch on.
+    """
+
+    def __init__(self, cfg: MonitorConfig) -> None:
+        self.cfg = cfg
+        self.val_start = float("nan")
+        self.lr_start: float | None = None
+        self.fired = 0
+
+    def start(self, val_top1: float, *, lr: float | None = None) -> None:
+        self.val_start = float(val_top1)
+        self.lr_start = None if lr is None else float(lr)
+
+    def compares(self, lr: float | None) -> bool:
+        """Whether the validation check runs in an epoch at learning rate ``lr``."""
+        return self.lr_start is None or lr is None or lr <= self.lr_start * (1 + 1e-6)
+
+    def state_dict(self) -> dict[str, float | None]:
+        return {"monitor_val_start": self.val_start, "monitor_lr_start": self.lr_start}
+
+    def load_state_dict(self, state: dict) -> None:
+        """From a method's checkpoint state (older ones hold only the accuracy)."""
+        self.val_start = float(state.get("monitor_val_start", math.nan))
+        lr = state.get("monitor_lr_start")
+        self.lr_start = None if lr is None else float(lr)
+
+    def reasons(self, health: dict[str, float], val_top1: float = float("nan"), *,
+                lr: float | None = None) -> list[str]:
+        c, out = self.cfg, []
+        ent = health.get("latent_entropy", float("nan"))
+        if ent < c.entropy_floor:
+            out.append(f"latent classes merging: latent-histogram entropy {ent:.3f} of the "
+                       f"observed labels' (floor {c.entropy_floor})")
+        share = health.get("latent_min_share", float("nan"))
+        if share < c.vanish_floor:
+            out.append(f"a latent class vanishing: the smallest holds {share:.3f} of the "
+                       f"smallest observed class (floor {c.vanish_floor})")
+        if not math.isnan(self.val_start) and not math.isnan(val_top1) \
+                and self.compares(lr) and val_top1 < self.val_start - c.val_drop:
+            out.append(f"classifier degrading: noisy validation accuracy {val_top1:.4f}, "
+                       f"{self.val_start:.4f} when LCCN started (allowed drop {c.val_drop})")
+        return out
+
+    def check(self, health: dict[str, float], val_top1: float = float("nan"), *,
+              epoch: int | None = None, lr: float | None = None,
+              stop: bool | None = None) -> list[str]:
+        """``lr``: the learning rate of the epoch checked (see :meth:`compares`); ``stop``
+        overrides ``MonitorConfig.stop`` (a distributed run warns here and stops every
+        rank together itself)."""
+        found = self.reasons(health, val_top1, lr=lr)
+        if found:
+            self.fired += 1
+            where = f" at epoch {epoch}" if epoch is not None else ""
+            msg = f"LCCN chain collapse suspected{where}: " + "; ".join(found)
+            if self.cfg.stop if stop is None else stop:
+                raise ChainCollapsed(msg)
+            warnings.warn(msg, CollapseWarning, stacklevel=2)
+        return found

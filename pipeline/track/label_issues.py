@@ -1,0 +1,490 @@
+"""The label-issue report of an LCCN run: which training samples are probably mislabelled
+(and, for LCCN*, probably out of distribution), ranked, with precision and recall at k
+against clean labels where the label view has them, beside cleanlab's
+``find_label_issues`` on the same model's out-of-sample predictions.
+
+What the report ranks. The Gibbs chain keeps, for every training sample m, the Eq. 7
+posterior over its latent label ``p_m(k) = p(z_m = k | x_m, ỹ_m, C¬)``. A single draw of
+``z`` is noisy; the report uses the posterior *averaged over the last E epochs* of the run
+(``LCCNConfig.report_epochs``; every sample is visited once per epoch, so E sweeps of the
+chain), accumulated by :class:`ReportAccumulator` during training and summed over ranks at
+each epoch end and each checkpoint. From the mean ``p̄_m (K_latent,)`` and the observed
+label ``j``:
+
+- mislabelled score ``1 - p̄_m[j] - p̄_m[K]`` (the probability that the true label is
+  another in-distribution class), suggested label ``argmax_{k < K} p̄_m[k]``; a sample is
+  *flagged* when the arg max over all latent classes is neither ``j`` nor the outlier;
+- LCCN* only: outlier score ``p̄_m[K]``, flagged when the arg max is ``K``.
+
+Why cleanlab is compared on the noisy validation split. Confident learning needs
+*out-of-sample* predicted probabilities (cleanlab's docs: cross-validated ones); a network
+that has fitted its training labels predicts them back, and cleanlab then finds almost
+nothing. One run has out-of-sample predictions for exactly one set of samples: the noisy
+validation split it holds out (never trained on, never counted in C). Cross-validation
+would mean K more training runs, which the report does not start. So both methods are
+scored there on equal footing, from the final model's probabilities ``P(k | x)``: cleanlab
+with ``find_label_issues`` (flags) and its self-confidence ranking, LCCN with the Eq. 7
+posterior of a held-out sample, ``p(k) ∝ P(k | x) · phi[k, ỹ]`` with ``phi`` the chain's
+final transition ``(C + α) / rowsum`` (the sample is not in C, so nothing is removed).
+The training-split ranking (the chain's own averaged posterior, the report's main output)
+is scored beside them; cleanlab has no out-of-sample probabilities there.
+
+Files (:meth:`LabelIssueReport.write`)::
+
+    mislabelled.csv   rank, idx, key, observed, suggested, confidence   (flagged samples,
+                      most confident first; class names as in the manifest)
+    outliers.csv      rank, idx, key, observed, confidence              (LCCN* only)
+    summary.json      counts, precision/recall at k of every ranking, cleanlab's beside LCCN
+    summary.md        the same as tables
+
+Conventions: ``phi[k, j] = P(observed = j | latent = k)``, rows sum to 1, ``(K_latent, K)``;
+posteriors are ``(N, K_latent)`` with rows summing to 1; ``clean`` is ``-1`` where unknown
+and ``K`` for an out-of-distribution sample.
+
+    python -m pipeline.track.label_issues CHECKPOINT_DIR --shards TRAIN_SPLIT [--label-view V.npz]
+    (or lccn-label-issues ...)
+        [--out DIR] [--k 20 50] [--tracking-uri URI --mlflow-run-id ID]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipeline.core.cli import prog_name
+from pipeline.core.config import json_safe
+from pipeline.core.confusion import transition
+from pipeline.core.labels import LabelView
+from pipeline.core.posterior import STATE_KEY
+from pipeline.data.manifest import Manifest
+from pipeline.data.split_labels import read_split_labels
+
+__all__ = ["Ranking", "LabelIssueReport",
+           "rank_mislabelled", "rank_outliers", "heldout_posterior", "cleanlab_ranking", "at_k",
+           "build_report", "main"]
+
+
+# -- rankings ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Ranking:
+    """One method's verdict over a set of samples: ``idx (n,)``, ``score (n,)`` (higher =
+    more likely an issue), ``flagged (n,) bool`` (the method's own decision), and
+    ``suggested (n,)`` (the label it proposes; -1 where it proposes none)."""
+
+    name: str
+    idx: np.ndarray
+    score: np.ndarray
+    flagged: np.ndarray
+    suggested: np.ndarray
+
+    def order(self) -> np.ndarray:
+        """Positions into ``idx`` from the most to the least likely issue (stable: ties
+        keep idx order)."""
+        return np.argsort(-self.score, kind="stable")
+
+
+def _mean_posterior(post: np.ndarray) -> np.ndarray:
+    post = np.asarray(post, dtype=np.float64)
+    if post.ndim != 2:
+        raise ValueError(f"posteriors must be (n, K_latent), got shape {post.shape}")
+    s = post.sum(1, keepdims=True)
+    bad = np.flatnonzero(~np.isfinite(s[:, 0]) | (s[:, 0] <= 0))
+    if bad.size:
+        raise ValueError(f"posterior row {int(bad[0])} does not sum to a positive number")
+    return post / s
+
+
+def rank_mislabelled(post: np.ndarray, observed: np.ndarray, idx: np.ndarray, *,
+                     num_classes: int, name: str = "lccn") -> Ranking:
+    """post: ``(n, K_latent)`` mean posterior over the latent label (rows normalised here);
+    observed, idx: ``(n,)``. Score ``1 - p[j] - p[K]`` (another in-distribution class),
+    suggested ``argmax_{k < K} p[k]``, flagged where the arg max over all latent classes is
+    neither the observed label nor the outlier class."""
+    p = _mean_posterior(post)
+    obs = np.asarray(observed, dtype=np.int64)
+    rows = np.arange(len(obs))
+    k = num_classes
+    outlier = p[:, k] if p.shape[1] > k else np.zeros(len(obs))
+    score = 1.0 - p[rows, obs] - outlier
+    top = p.argmax(1)
+    return Ranking(name, np.asarray(idx, dtype=np.int64), np.clip(score, 0.0, 1.0),
+                   (top != obs) & (top < k), p[:, :k].argmax(1))
+
+
+def rank_outliers(post: np.ndarray, idx: np.ndarray, *, num_classes: int,
+                  name: str = "lccn") -> Ranking:
+    """LCCN*: score ``p[K]``, flagged where the outlier class is the arg max."""
+    p = _mean_posterior(post)
+    if p.shape[1] != num_classes + 1:
+        raise ValueError(f"an outlier ranking needs K + 1 = {num_classes + 1} latent classes, "
+                         f"got {p.shape[1]}")
+    return Ranking(name, np.asarray(idx, dtype=np.int64), p[:, num_classes],
+                   p.argmax(1) == num_classes, np.full(len(p), -1, dtype=np.int64))
+
+
+def heldout_posterior(probs: np.ndarray, observed: np.ndarray, phi: np.ndarray) -> np.ndarray:
+    """Eq. 7 for a sample outside the chain: ``p(k) ∝ P(k | x) · phi[k, ỹ]``.
+
+    probs: ``(n, K_latent)`` classifier probabilities; observed: ``(n,)``;
+    phi: ``(K_latent, K)``, rows sum to 1. Returns ``(n, K_latent)``, rows sum to 1."""
+    probs = np.asarray(probs, dtype=np.float64)
+    phi = np.asarray(phi, dtype=np.float64)
+    if probs.shape[1] != phi.shape[0]:
+        raise ValueError(f"probs have {probs.shape[1]} classes, phi {phi.shape[0]} latent rows")
+    u = probs * phi[:, np.asarray(observed, dtype=np.int64)].T
+    s = u.sum(1, keepdims=True)
+    return np.where(s > 0, u / np.where(s > 0, s, 1.0), 1.0 / probs.shape[1])
+
+
+def cleanlab_ranking(probs: np.ndarray, observed: np.ndarray, idx: np.ndarray, *,
+                     num_classes: int) -> Ranking:
+    """cleanlab on out-of-sample ``probs (n, >= K)`` (the first K columns, renormalised):
+    ``find_label_issues`` (prune by noise rate) flags, ``1 - self-confidence`` ranks,
+    suggested = arg max of the predicted probabilities."""
+    from cleanlab.filter import find_label_issues
+    from cleanlab.rank import get_label_quality_scores
+
+    p = np.asarray(probs, dtype=np.float64)[:, :num_classes]
+    p = p / np.clip(p.sum(1, keepdims=True), 1e-12, None)
+    obs = np.asarray(observed, dtype=np.int64)
+    flagged = np.zeros(len(obs), dtype=bool)
+    if len(obs):
+        # n_jobs=1: cleanlab's default forks a process pool, which deadlocks in a process
+        # with threads (a Ray worker, a sweep trial)
+        flagged = np.asarray(find_label_issues(obs, p, filter_by="prune_by_noise_rate",
+                                               n_jobs=1), dtype=bool)
+        quality = get_label_quality_scores(obs, p, method="self_confidence")
+    else:
+        quality = np.zeros(0)
+    return Ranking("cleanlab", np.asarray(idx, dtype=np.int64), 1.0 - quality, flagged,
+                   p.argmax(1) if len(obs) else np.zeros(0, dtype=np.int64))
+
+
+def at_k(ranking: Ranking, truth: np.ndarray, known: np.ndarray,
+         ks: Sequence[int] = ()) -> dict[str, Any]:
+    """Precision and recall of ``ranking`` against ``truth`` over the samples with a known
+    clean label.
+
+    truth, known: ``(n,) bool`` aligned with ``ranking.idx`` (truth: the sample is an issue;
+    known: its clean label is known). Reports, for each k: the requested ``ks``, ``k = n_true``
+    (R-precision: precision = recall there) and the method's own flagged set."""
+    keep = np.asarray(known, dtype=bool)
+    truth = np.asarray(truth, dtype=bool)[keep]
+    score, flagged = ranking.score[keep], ranking.flagged[keep]
+    order = np.argsort(-score, kind="stable")
+    hits = np.cumsum(truth[order])
+    n, n_true = int(keep.sum()), int(truth.sum())
+    out: dict[str, Any] = {"method": ranking.name, "evaluated": n, "issues": n_true,
+                           "flagged": int(flagged.sum()), "at": []}
+
+    def row(label: str, k: int, found: int, count: int) -> dict[str, Any]:
+        return {"k": label, "n": count, "precision": found / count if count else math.nan,
+                "recall": found / n_true if n_true else math.nan}
+
+    req = sorted({int(k) for k in ks if 0 < int(k) <= n})
+    for k in req:
+        out["at"].append(row(str(k), k, int(hits[k - 1]), k))
+    out["r_precision"] = int(hits[n_true - 1]) / n_true if 0 < n_true <= n else math.nan
+    if 0 < n_true <= n and n_true not in req:
+        out["at"].append(row(f"{n_true} (= issues)", n_true, int(hits[n_true - 1]), n_true))
+    nf = int(flagged.sum())
+    out["at"].append(row("flagged", nf, int((truth & flagged).sum()), nf))
+    return out
+
+
+# -- the report ----------------------------------------------------------------------------------
+
+
+@dataclass
+class LabelIssueReport:
+    """What :func:`build_report` makes: the training split's rankings (``mislabelled``,
+    ``outliers`` for LCCN*), the key and label of every training idx, and the evaluation
+    tables (``evaluation``: a list of :func:`at_k` dicts with the split they were scored
+    on)."""
+
+    mislabelled: Ranking
+    outliers: Ranking | None
+    observed: np.ndarray
+    keys: list[str]
+    class_names: list[str]
+    epochs: list[int]
+    evaluation: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def _name(self, c: int) -> str:
+        return self.class_names[c] if 0 <= c < len(self.class_names) else str(c)
+
+    def write(self, out_dir: str | Path) -> list[Path]:
+        """Write the report's files into ``out_dir``; returns their paths."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        paths = [out / "mislabelled.csv"]
+        r = self.mislabelled
+        with open(paths[0], "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["rank", "idx", "key", "observed", "suggested", "confidence"])
+            for rank, pos in enumerate([p for p in r.order() if r.flagged[p]], 1):
+                i = int(r.idx[pos])
+                w.writerow([rank, i, self.keys[i], self._name(int(self.observed[i])),
+                            self._name(int(r.suggested[pos])), f"{r.score[pos]:.4f}"])
+        if self.outliers is not None:
+            paths.append(out / "outliers.csv")
+            o = self.outliers
+            with open(paths[-1], "w", newline="") as f:
+                w = csv.writer(f)
+                w.writerow(["rank", "idx", "key", "observed", "confidence"])
+                for rank, pos in enumerate([p for p in o.order() if o.flagged[p]], 1):
+                    i = int(o.idx[pos])
+                    w.writerow([rank, i, self.keys[i], self._name(int(self.observed[i])),
+                                f"{o.score[pos]:.4f}"])
+        summary = self.summary()
+        paths.append(out / "summary.json")
+        paths[-1].write_text(json.dumps(json_safe(summary), indent=1))
+        paths.append(out / "summary.md")
+        paths[-1].write_text(self.markdown())
+        return paths
+
+    def summary(self) -> dict[str, Any]:
+        return {"samples": int(len(self.mislabelled.idx)),
+                "flagged_mislabelled": int(self.mislabelled.flagged.sum()),
+                "flagged_outliers": (None if self.outliers is None
+                                     else int(self.outliers.flagged.sum())),
+                "posterior_epochs": self.epochs, "evaluation": self.evaluation,
+                "notes": self.notes}
+
+    def markdown(self) -> str:
+        s = self.summary()
+        lines = ["# Label-issue report", "",
+                 f"{s['samples']} training samples ranked by their Eq. 7 posterior averaged "
+                 f"over epoch{'s' if len(self.epochs) > 1 else ''} "
+                 f"{', '.join(str(e + 1) for e in self.epochs)}; "
+                 f"{s['flagged_mislabelled']} flagged as mislabelled"
+                 + ("" if s["flagged_outliers"] is None else
+                    f", {s['flagged_outliers']} as out of distribution") + ".", ""]
+        if self.evaluation:
+            lines += ["| split | issues | method | k | precision | recall |",
+                      "|---|---|---|---|---|---|"]
+            for ev in self.evaluation:
+                for r in ev["at"]:
+                    lines.append(f"| {ev['split']} | {ev['kind']} ({ev['issues']} of "
+                                 f"{ev['evaluated']}) | {ev['method']} | {r['k']} | "
+                                 f"{_fmt(r['precision'])} | {_fmt(r['recall'])} |")
+            lines.append("")
+        lines += [f"- {n}" for n in self.notes]
+        return "\n".join(lines) + "\n"
+
+
+def _fmt(v: float) -> str:
+    return "n/a" if v != v else f"{v:.3f}"
+
+
+def _chain0(store: dict) -> dict:
+    return store["chains"][0] if "chains" in store else store
+
+
+def build_report(state: dict, *, clean: np.ndarray | None = None,
+                 keys: Sequence[str] | None = None, class_names: Sequence[str] = (),
+                 ks: Sequence[int] = ()) -> LabelIssueReport:
+    """The report of a run's checkpoint ``state`` (``state["label_report"]``, the chain's
+    ``store``); ``clean (N,)`` (-1 unknown, K out of distribution) scores it, ``keys``
+    name the samples (default: their idx)."""
+    acc = state.get(STATE_KEY)
+    if not acc or acc.get("sum") is None:
+        raise ValueError("the checkpoint holds no averaged posterior: the run's last "
+                         "report_epochs epochs were not LCCN epochs (or report_epochs was 0, "
+                         "or the run ended before them)")
+    store = state.get("store")
+    if store is None:
+        raise ValueError("the checkpoint holds no chain state (store)")
+    chain = _chain0(store)
+    observed = np.asarray(chain["observed"], dtype=np.int64)
+    counted = np.asarray(chain["counted"], dtype=bool)
+    k, n = int(acc["num_classes"]), len(observed)
+    total = np.asarray(acc["sum"], dtype=np.float64)
+    count = np.asarray(acc["count"], dtype=np.int64)
+    if total.shape[0] != n:
+        raise ValueError(f"the averaged posterior has {total.shape[0]} rows, the chain {n}")
+    if clean is not None:
+        clean = np.asarray(clean, dtype=np.int64)
+        if clean.shape != (n,):
+            raise ValueError(f"the clean labels given cover {clean.shape[0] if clean.ndim else 0} "
+                             f"samples, the run's training chain {n}: give the training "
+                             f"split (or label view) the run was trained on")
+    keys = [str(i) for i in range(n)] if keys is None else [str(s) for s in keys]
+    if len(keys) != n:
+        raise ValueError(f"{len(keys)} keys for {n} samples")
+    rows = np.flatnonzero(counted & (count > 0))
+    post = total[rows] / count[rows, None]
+    mis = rank_mislabelled(post, observed[rows], rows, num_classes=k)
+    out = rank_outliers(post, rows, num_classes=k) if total.shape[1] == k + 1 else None
+    report = LabelIssueReport(mis, out, observed, keys, list(class_names),
+                              list(acc.get("epochs", [])))
+    lo, hi = (int(count[rows].min()), int(count[rows].max())) if len(rows) else (0, 0)
+    report.notes.append(f"training split: {len(rows)} samples counted in the chain, each "
+                        f"with {lo if lo == hi else f'{lo} to {hi}'} averaged "
+                        f"posterior{'' if hi == 1 else 's'}")
+    if clean is None:
+        report.notes.append("no clean labels given: precision and recall not computed")
+        return report
+
+    def evaluate(split: str, ranking: Ranking, kind: str, obs: np.ndarray) -> None:
+        c = clean[ranking.idx]
+        if kind == "mislabelled":
+            known = (c >= 0) & (c < k) if out is None else c >= 0
+            truth = (c >= 0) & (c < k) & (c != obs)
+        else:
+            known, truth = c >= 0, c == k
+        if known.any():
+            ev = at_k(ranking, truth, known, ks)
+            ev.update(split=split, kind=kind)
+            report.evaluation.append(ev)
+
+    evaluate("train", mis, "mislabelled", observed[rows])
+    if out is not None:
+        evaluate("train", out, "outlier", observed[rows])
+    held = acc.get("heldout")
+    if held is None or len(held["idx"]) == 0:
+        report.notes.append("no noisy validation split: cleanlab (which needs out-of-sample "
+                            "predictions) not compared")
+        return report
+    hidx = np.asarray(held["idx"], dtype=np.int64)
+    hprobs = np.asarray(held["probs"], dtype=np.float64)
+
+    phi = transition(torch.as_tensor(chain["counts"]),
+                     torch.as_tensor(acc["alpha"], dtype=torch.float64)).numpy()
+    hobs = observed[hidx]
+    lpost = heldout_posterior(hprobs[:, :phi.shape[0]], hobs, phi)
+    evaluate("validation", rank_mislabelled(lpost, hobs, hidx, num_classes=k),
+             "mislabelled", hobs)
+    evaluate("validation", cleanlab_ranking(hprobs, hobs, hidx, num_classes=k),
+             "mislabelled", hobs)
+    report.notes.append(
+        f"validation split: {len(hidx)} held-out samples (never trained on, never counted "
+        f"in C); cleanlab's find_label_issues and LCCN's Eq. 7 posterior "
+        f"P(k|x) phi[k, observed] both from the final model's out-of-sample probabilities")
+    return report
+
+
+def split_keys(train_source: str) -> list[str] | None:
+    """The dataset keys of a local training split (None for a remote one)."""
+    if "://" in str(train_source):
+        return None
+    return [str(k) for k in read_split_labels(train_source)["key"]]
+
+
+def log_report(tracking_uri: str, run_id: str, paths: Sequence[Path],
+               report: LabelIssueReport) -> None:
+    """The report's files as artifacts ``label_issues/...`` of MLflow run ``run_id`` and
+    its headline numbers as metrics (``label_issues_*``)."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    for p in paths:
+        client.log_artifact(run_id, str(p), artifact_path="label_issues")
+    s = report.summary()
+    metrics = {"label_issues_flagged": float(s["flagged_mislabelled"])}
+    for ev in report.evaluation:
+        if ev["r_precision"] == ev["r_precision"]:
+            metrics[f"label_issues_rprec_{ev['split']}_{ev['kind']}_{ev['method']}"] = \
+                float(ev["r_precision"])
+    for key, v in metrics.items():
+        client.log_metric(run_id, key, v)
+
+
+def job_report(state: dict, *, clean: np.ndarray | None, train_source: str,
+               class_names: Sequence[str], out_dir: Path, tracking_uri: str | None,
+               run_id: str | None) -> dict[str, Any] | None:
+    """A job's report at the end of its run (driver side): written to ``out_dir``, logged to
+    MLflow; returns the summary (None when the run has no averaged posterior)."""
+    acc = state.get(STATE_KEY)
+    if not acc or acc.get("sum") is None:
+        return None
+    report = build_report(state, clean=clean, keys=split_keys(train_source),
+                          class_names=class_names)
+    paths = report.write(out_dir)
+    if tracking_uri and run_id:
+        log_report(tracking_uri, run_id, paths, report)
+    return {**report.summary(), "files": [str(p) for p in paths]}
+
+
+# -- the command line ----------------------------------------------------------------------------
+
+
+def get_args_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog_name("pipeline.track.label_issues"),
+        description="The label-issue report of a finished LCCN run, from its checkpoint: "
+                    "suspected mislabelled (and, for LCCN*, out-of-distribution) training "
+                    "samples, ranked, with precision/recall at k beside cleanlab's.")
+    p.add_argument("checkpoint", type=Path,
+                   help="a checkpoint folder of the run (holds state.pt; the final one: "
+                        "'checkpoint' in <run-dir>/results/<run>.json)")
+    p.add_argument("--shards", type=Path, default=None,
+                   help="the run's training split folder: sample keys and clean labels")
+    p.add_argument("--label-view", type=Path, default=None,
+                   help="the run's label view (.npz): its clean labels (and out-of-"
+                        "distribution marks) score the report")
+    p.add_argument("--out", type=Path, default=None,
+                   help="output folder (default: <checkpoint>/label_issues)")
+    p.add_argument("--k", type=int, nargs="*", default=[],
+                   help="also report precision/recall at these k")
+    p.add_argument("--tracking-uri", default=None, help="log the files to this MLflow store")
+    p.add_argument("--mlflow-run-id", default=None,
+                   help="the MLflow run to log to (default: the checkpoint's run)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line (``python -m pipeline.track.label_issues``, ``lccn-label-issues``);
+    0 on success."""
+    run_cli(argv)
+    return 0
+
+
+def run_cli(argv: list[str] | None = None) -> LabelIssueReport:
+    """:func:`main`, returning the report."""
+    args = get_args_parser().parse_args(argv)
+    state_file = args.checkpoint / "state.pt"
+    if not state_file.is_file():
+        raise SystemExit(f"error: {state_file}: no such file (give a checkpoint folder)")
+    state = torch.load(state_file, map_location="cpu", weights_only=False)
+    clean, keys, names = None, None, []
+    if args.shards is not None:
+        try:
+            labels = read_split_labels(args.shards)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"error: --shards {args.shards}: {e}") from None
+        keys, clean = [str(k) for k in labels["key"]], labels["clean"]
+        names = list(Manifest.load(args.shards).classes)
+    if args.label_view is not None:
+        try:
+            clean = LabelView.load(args.label_view).clean
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"error: --label-view {args.label_view}: {e}") from None
+    try:
+        report = build_report(state, clean=clean, keys=keys, class_names=names, ks=args.k)
+    except ValueError as e:
+        raise SystemExit(f"error: {args.checkpoint}: {e}") from None
+    paths = report.write(args.out or args.checkpoint / "label_issues")
+    run_id = args.mlflow_run_id or state.get("mlflow_run_id")
+    if args.tracking_uri and run_id:
+        log_report(args.tracking_uri, run_id, paths, report)
+    sys.stdout.write(report.markdown())
+    print(f"wrote {', '.join(str(p) for p in paths)}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

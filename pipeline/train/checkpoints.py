@@ -1,0 +1,180 @@
+"""Checkpoint files of a run: what a checkpoint folder holds, which one a resume takes,
+which ones are pruned, and whether a mid-epoch checkpoint can resume under a new loader
+geometry.
+
+A checkpoint folder holds ``state.pt`` (:data:`STATE_FILE`: the engine's state dict, see
+:mod:`pipeline.train.engine`) and ``meta.json`` (:data:`META_FILE`: epoch, batch, global
+step, run name, the loader geometry), written by rank 0 at one consistent moment.
+Nothing here imports Ray: Ray Train's own registry of checkpoints is read from its
+snapshot file.
+
+Imports: :mod:`pipeline.core` only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.core.config import RunConfig
+from pipeline.train.sources import loader_geometry
+
+
+def load_state(checkpoint_dir: str | os.PathLike) -> dict:
+    """The ``state.pt`` dict of a checkpoint directory."""
+    path = Path(checkpoint_dir) / STATE_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{checkpoint_dir}: not an LCCN checkpoint (no {STATE_FILE})")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+STATE_FILE = "state.pt"
+META_FILE = "meta.json"
+
+
+def init_state_file(path: str | os.PathLike) -> Path:
+    """The ``state.pt`` that :attr:`EngineOptions.init_from` names: the file itself, a
+    checkpoint folder holding one, or a folder of ``checkpoint_*`` folders (a run's
+    ``<run_dir>/train/<run_name>``; ``<run_dir>`` itself when it holds one run) whose
+    newest complete checkpoint (largest global step) is taken."""
+    p = Path(path).expanduser()
+    if p.is_file():
+        return p
+    if (p / STATE_FILE).is_file():
+        return p / STATE_FILE
+    # the resume path's own choice (a folder that does not load is skipped); imported here:
+    # pipeline.dist.ray_train imports this module (and Ray only inside its functions)
+
+    roots = [p] + ([r for r in sorted((p / "train").iterdir()) if r.is_dir()]
+                   if (p / "train").is_dir() else [])
+    found = {r: d for r in roots if (d := newest_complete_checkpoint(r)) is not None}
+    if not found:
+        raise FileNotFoundError(f"--init-from {path}: no {STATE_FILE}, checkpoint folder or "
+                                f"run with a complete checkpoint there")
+    if len(found) > 1:
+        raise ValueError(f"--init-from {path}: it holds the checkpoints of {len(found)} runs "
+                         f"({', '.join(str(r) for r in found)}); name one")
+    return next(iter(found.values())) / STATE_FILE
+
+
+def last_lr(state: dict) -> float | None:
+    """The learning rate a checkpoint's weights were last trained at: its last epoch row's;
+    without a history its first optimiser's, which is the rate of the step it would take
+    next (the same unless a milestone falls just after its last epoch); else None."""
+    hist = state.get("history") or []
+    if hist and "lr" in hist[-1]:
+        return float(hist[-1]["lr"])
+    opts = state.get("optimizers") or ([state["optimizer"]] if "optimizer" in state else [])
+    try:
+        return float(opts[0]["param_groups"][0]["lr"])
+    except (IndexError, KeyError, TypeError):
+        return None
+
+
+def geometry_mismatch(saved: dict | None, now: dict | None, *, epoch: int,
+                      batch: int) -> str | None:
+    """Why a checkpoint taken at ``batch`` of ``epoch`` under the loader geometry ``saved``
+    (:meth:`ShardSource.geometry`) cannot resume under ``now``, or None: inside an epoch
+    the batch order depends on it (at an epoch boundary any geometry resumes)."""
+    if batch <= 0 or saved is None or now is None or saved == now:
+        return None
+    diff = ", ".join(f"{k} {saved.get(k)} -> {now.get(k)}" for k in sorted(now)
+                     if saved.get(k) != now.get(k))
+    return (f"the checkpoint was taken at batch {batch} of epoch {epoch}, whose batch order "
+            f"depends on the workers ({diff}): resuming there would train some samples twice "
+            f"and skip others; resume with the checkpoint's values (world_size = "
+            f"--num-workers, loader_workers = --loader-workers, batch_per_rank = --batch-size "
+            f"/ --num-workers, --shuffle-buffer) or start a new run")
+
+
+def checkpoint_step(checkpoint_dir: Path) -> int | None:
+    try:
+        return int(json.loads((checkpoint_dir / META_FILE).read_text())["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def resume_problem(run: RunConfig, dist: Any) -> str | None:
+    """Before a (re-)submitted run starts: why its newest checkpoint on disk cannot be
+    resumed under this run's loader geometry (a checkpoint inside an epoch, other workers:
+    :func:`pipeline.train.checkpoints.geometry_mismatch`), or None. Reads ``meta.json`` only; the
+    workers check the checkpoint they load again."""
+    metas = []
+    for d in (Path(dist.run_dir) / "train" / dist.run_name).glob("checkpoint_*"):
+        try:
+            meta = json.loads((d / META_FILE).read_text())
+            step = int(meta["global_step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if (d / STATE_FILE).is_file():
+            metas.append((step, d.name, d, meta))
+    if not metas:
+        return None
+    _, _, d, meta = max(metas)
+    now = loader_geometry(world_size=dist.num_workers,
+                          batch_per_rank=max(1, run.optim.batch_size // dist.num_workers),
+                          loader_workers=dist.loader_workers, shuffle_buffer=dist.shuffle_buffer)
+    problem = geometry_mismatch(meta.get("data_geometry"), now, epoch=int(meta.get("epoch", 0)),
+                                batch=int(meta.get("batch", 0)))
+    return None if problem is None else f"{d}: {problem}"
+
+
+def newest_complete_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The ``checkpoint_*`` folder under ``root`` with the largest global step whose
+    ``meta.json`` and ``state.pt`` both load and agree; None if there is none.
+
+    Rank 0 writes a checkpoint at one consistent moment and then reports it; Ray Train
+    registers it only when every rank's report reaches its controller. A failure in between
+    leaves complete checkpoints on disk that Ray does not know (seen: steps 270 and 280 on
+    disk, Ray resumed from 260). They are as consistent as registered ones, so a restart
+    resumes from the newest. A folder cut short by the failure fails to load and is skipped.
+    """
+    root = Path(root)
+    found = []
+    for d in root.glob("checkpoint_*"):
+        step = checkpoint_step(d)
+        if step is not None:
+            found.append((step, d.name, d))
+    for step, _, d in sorted(found, reverse=True):
+        try:
+            state = load_state(d)
+        except Exception as e:  # noqa: BLE001 - truncated/partial file: not complete
+            print(f"skipping {d} (step {step}): it does not load ({type(e).__name__}: {e})",
+                  file=sys.__stdout__, flush=True)
+            continue
+        if int(state.get("global_step", -1)) == step:
+            return d
+    return None
+
+
+def prune_checkpoints(root: str | os.PathLike) -> list[str]:
+    """Delete the checkpoint folders Ray Train does not manage: those not in its
+    ``checkpoint_manager_snapshot.json`` that are incomplete or not newer than the newest
+    registered one (``CheckpointConfig.num_to_keep`` never sees them). An unregistered
+    complete checkpoint newer than every registered one is kept: a re-submission resumes
+    from it. Returns the names deleted."""
+    root = Path(root)
+    snap = root / "checkpoint_manager_snapshot.json"
+    try:
+        results = json.loads(snap.read_text()).get("checkpoint_results", [])
+        registered = {r["checkpoint_dir_name"] for r in results}
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return []  # no snapshot (nothing reported yet) or another layout: touch nothing
+    newest_registered = max((checkpoint_step(root / n) or -1 for n in registered), default=-1)
+    newest = newest_complete_checkpoint(root)
+    deleted = []
+    for d in sorted(root.glob("checkpoint_*")):
+        if d.name in registered or not d.is_dir():
+            continue
+        step = checkpoint_step(d)
+        keep = (newest is not None and d.name == newest.name and step is not None
+                and step > newest_registered)
+        if not keep:
+            shutil.rmtree(d, ignore_errors=True)
+            deleted.append(d.name)
+    return deleted

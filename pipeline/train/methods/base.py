@@ -1,0 +1,158 @@
+"""The method interface and the registry.
+
+A method says what is trained and how; the engine (:mod:`pipeline.train.engine`) owns the loop,
+the data, the session (rank, collectives, checkpoints, reports) and the chain backend, and
+calls the method at fixed points of every epoch::
+
+    build_members()                  the networks, optimizers and schedulers (a list: two
+                                     networks fit); num_outputs() logits each
+    in_noise_phase(epoch)            after the CE pre-training (Algorithm 3, line 1)?
+    start_noise_phase(epoch)         once, at its first epoch (LCCN: phi_init, the initial
+                                     assignment, the labeler); not again after a resume
+                                     (noise_phase_started() reads the restored state)
+    train_views(epoch)               augmented views per image in this epoch's training
+                                     pass (2: DivideMix's batches carry images2)
+    begin_epoch(epoch, steps)        per-epoch set-up (steps: batches per rank this epoch)
+    train_epoch(epoch, batches, after_step)   every batch: targets, loss, backward, step;
+                                     call after_step() after each optimiser step; returns
+                                     the epoch's stats (the keys of pipeline.train.loop)
+    flush()                          finish asynchronous work before a consistent moment
+    observe_chain(state, epoch, row) rank 0, at a checkpoint: metrics from the chain state
+                                     (row given at an epoch end: health, monitor)
+    epoch_stats()                    extra per-rank row entries
+    current_transition()             a chain-free method's transition (MLflow), or None
+    noise_model()                    P(observed | latent) for val_nll (default: the above)
+    state_dict() / load_state_dict() what a checkpoint carries beyond the members
+    final_files()                    rank 0, at the run's last moment: {file name: text}
+                                     written next to the run's outputs, into the final
+                                     checkpoint and to MLflow (LCCN*: outliers.csv)
+    evaluate(model, batches, noisy)  top1/top5/nll/n over the batches' labels (noisy: the
+                                     observed ones, nll through noise_model())
+
+Every method runs on every rank; collectives (``engine.session``, ``engine.reduce_cpu``,
+:func:`pipeline.train.session.all_gather_rows`) must be called by all ranks alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torch import Tensor, nn
+
+from pipeline.core.config import RunConfig
+from pipeline.train.loop import evaluate
+
+_REGISTRY: dict[str, type["Method"]] = {}
+
+
+def register(cls: type["Method"]) -> type["Method"]:
+    """Class decorator: make ``cls`` the method named ``cls.name``."""
+    if not getattr(cls, "name", None):
+        raise ValueError(f"{cls.__name__} has no name")
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise ValueError(f"method {cls.name!r} is registered twice ({_REGISTRY[cls.name].__name__}, "
+                         f"{cls.__name__})")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def registered() -> tuple[str, ...]:
+    return tuple(sorted(_REGISTRY))
+
+
+def get_method(name: str) -> type["Method"]:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown method {name!r}; registered: {', '.join(registered())}") from None
+
+
+class Method:
+    """Base class: one network trained with cross-entropy on the observed labels for
+    every epoch; subclasses override what they change."""
+
+    name = ""
+    needs_chain = False  # a Gibbs chain backend (store) is required
+    num_chains = 1  # with needs_chain: one chain per network when > 1 (engine.ChainSet)
+
+    def __init__(self, run: RunConfig, engine: Any) -> None:
+        self.run, self.engine = run, engine
+        self.num_classes = engine.num_classes
+
+    # -- networks -------------------------------------------------------------------------------
+
+    def num_outputs(self) -> int:
+        """Logits of the classifier (K; LCCN* K + 1)."""
+        return self.num_classes
+
+    def build_members(self) -> list:
+        return [self.engine.make_member(0)]
+
+    @property
+    def members(self) -> list:
+        return self.engine.members
+
+    # -- phases ---------------------------------------------------------------------------------
+
+    def in_noise_phase(self, epoch: int) -> bool:
+        return False
+
+    def noise_phase_started(self) -> bool:
+        return True
+
+    def start_noise_phase(self, epoch: int) -> dict[str, float]:
+        return {}
+
+    def train_views(self, epoch: int) -> int:
+        """Augmented views per image in the training pass of ``epoch`` (1 or 2)."""
+        return 1
+
+    def begin_epoch(self, epoch: int, steps_per_epoch: int) -> None:
+        pass
+
+    def train_epoch(self, epoch: int, batches: Iterable[Any],
+                    after_step: Callable[[], None]) -> dict[str, float]:
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        pass
+
+    def observe_chain(self, state: dict | None, *, epoch: int,
+                      row: dict[str, float] | None) -> dict[str, float]:
+        return {}
+
+    def epoch_stats(self) -> dict[str, float]:
+        return {"staleness_max": 0.0}
+
+    def current_transition(self) -> Tensor | None:
+        """The transition a method without a chain estimates or learns, ``(K, K)`` (rank 0
+        logs it to MLflow as a chain's phi: heat maps, ``transition.csv``); None if none."""
+        return None
+
+    def final_files(self) -> dict[str, str]:
+        """Files the method exports at the end of a run, ``{name: text}`` (rank 0)."""
+        return {}
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    # -- evaluation -----------------------------------------------------------------------------
+
+    def noise_model(self) -> Tensor | None:
+        """The method's current ``P(observed | latent)``, ``(K_latent, K)``, through which its
+        model predicts an observed label (the noisy validation likelihood ``val_nll``); by
+        default :meth:`current_transition`, None (the identity) without one."""
+        return self.current_transition()
+
+    def evaluate(self, model: nn.Module, batches: Iterable[Any], *,
+                 noisy: bool = False) -> dict[str, float]:
+        """top1/top5 of ``model`` on the batches' labels and ``nll``; ``noisy``: the labels
+        are observed ones, ``nll`` goes through :meth:`noise_model`."""
+        return evaluate(model, batches, num_classes=self.num_classes, device=self.engine.device,
+                        noise=self.noise_model() if noisy else None)

@@ -1,0 +1,235 @@
+"""LCCN (Algorithm 3): CE pre-training, then a classifier trained on latent labels drawn
+by a Gibbs chain over the shared confusion counts C. Variants through ``LCCNConfig``:
+LCCN* (``outlier``: K + 1 latent classes; at the end of the run every training sample's
+p(outlier) is exported as ``outliers.csv``) and LCCN+ (``use_trusted``)."""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from pipeline.core.confusion import transition, transition_error
+from pipeline.core.monitor import CollapseMonitor, chain_health
+from pipeline.core.posterior import STATE_KEY, PosteriorWindow
+from pipeline.core.warmup import estimate_phi_init, initial_latents
+from pipeline.train.labeler import GibbsLabeler
+from pipeline.train.loop import predict, train_one_epoch
+from pipeline.train.methods.base import Method, register
+from pipeline.train.report import accumulator_for, finish_epoch
+
+OUTLIERS_FILE = "outliers.csv"
+OUTLIER_COLUMNS = ("idx", "key", "observed", "p_outlier", "flag")
+
+
+def outlier_table(p_outlier: Tensor, observed: Tensor, rows: Tensor, *, threshold: float,
+                  split_idx: np.ndarray | None = None,
+                  keys: Sequence[str] | None = None) -> str:
+    """The ``outliers.csv`` text: one line per training sample ``rows (M,)`` (idx of the
+    run's sample space): ``idx`` (the split's idx: ``split_idx[row]`` when the run
+    re-indexed its samples), ``key`` (empty when unknown), ``observed``, ``p_outlier``
+    (empty for a sample never drawn in the window) and ``flag`` (1 when ``p_outlier >
+    threshold``). p_outlier, observed: ``(N,)`` by row."""
+    out = io.StringIO()
+    w = csv.writer(out, lineterminator="\n")
+    w.writerow(OUTLIER_COLUMNS)
+    for r in rows.tolist():
+        p = float(p_outlier[r])
+        idx = int(split_idx[r]) if split_idx is not None else r
+        key = keys[idx] if keys is not None else ""
+        w.writerow((idx, key, int(observed[r]), "" if p != p else f"{p:.6f}",
+                    "" if p != p else int(p > threshold)))
+    return out.getvalue()
+
+
+@register
+class LCCN(Method):
+    """State: ``phi_init`` (None until the noise phase starts), the LCCN step count
+    ``lccn_step`` (the labeler's; it seeds the distributed Gibbs draws and drives the
+    annealing and the target ramp), the collapse monitor's reference accuracy. The chain
+    itself (C and z) lives in the engine's chain backend."""
+
+    name = "lccn"
+    needs_chain = True
+
+    def __init__(self, run, engine) -> None:
+        super().__init__(run, engine)
+        self.cfg = run.lccn
+        data = engine.data
+        self.trusted: Tensor | None = data.trusted if self.cfg.use_trusted else None
+        if self.trusted is not None and not self.cfg.outlier:
+            bad = torch.nonzero(self.trusted & (data.clean >= self.num_classes))[:, 0]
+            if bad.numel():
+                raise ValueError(f"{bad.numel()} trusted samples are labelled outliers (clean "
+                                 f"= K = {self.num_classes}; first idx {int(bad[0])}): they "
+                                 f"train on the outlier class, which needs LCCN* "
+                                 f"(LCCNConfig.outlier)")
+        self.monitor = CollapseMonitor(run.monitor)
+        self.phi_init: Tensor | None = None
+        self.lccn_step = 0
+        self.labeler: GibbsLabeler | None = None
+        self.pretrained_probs: Tensor | None = None
+        # LCCN*: p(outlier), the outlier column of the posterior averaged over the last
+        # cfg.outlier_epochs epochs' draws (float64: printed to six decimals)
+        k, o = self.num_classes, run.optim
+        self.outlier_mean = (PosteriorWindow(
+            num_samples=engine.data.num_samples, width=1, columns=slice(k, k + 1),
+            first=max(o.pretrain_epochs, o.epochs - self.cfg.outlier_epochs),
+            total_epochs=o.epochs, dtype=torch.float64) if self.cfg.outlier else None)
+        # the label-issue report: the whole posterior averaged over the last
+        # cfg.report_epochs epochs (pipeline.track.label_issues)
+        self.report = accumulator_for(run, engine, k_latent=self.num_outputs())
+        self.windows = [w for w in (self.outlier_mean, self.report) if w is not None]
+
+    def num_outputs(self) -> int:
+        return self.num_classes + 1 if self.cfg.outlier else self.num_classes
+
+    def in_noise_phase(self, epoch: int) -> bool:
+        return epoch >= self.run.optim.pretrain_epochs
+
+    def noise_phase_started(self) -> bool:
+        return self.phi_init is not None
+
+    def start_noise_phase(self, epoch: int) -> dict[str, float]:
+        """Algorithm 3 lines 2-3 over all ranks: phi_init (K_latent, K) float64 from the
+        pretrained classifier (statistics all-reduced) and the initial assignment of this
+        rank's samples into the chain; the monitor's reference accuracy."""
+        eng, lc = self.engine, self.cfg
+        data = eng.data
+        probs, idx, _ = predict(self.members[0].scorer, data.train_eval_batches(),
+                                device=eng.device)
+        observed = data.observed[idx]
+        phi_init = estimate_phi_init(lc, probs, observed, eng.k_latent, self.num_classes,
+                                     reduce=eng.reduce_cpu)
+        self.pretrained_probs = probs
+        z0 = initial_latents(lc, observed, probs, phi_init)
+        eng.chain.start(idx, z0, k_latent=eng.k_latent, trusted=self.trusted, clean=data.clean)
+        self.phi_init = phi_init
+        self.monitor.start(eng.val_top1(), lr=eng.trained_lr())
+        return {"init_transition_error": transition_error(phi_init, data.transition)}
+
+    def begin_epoch(self, epoch: int, steps_per_epoch: int) -> None:
+        if not self.in_noise_phase(epoch):
+            return
+        if self.labeler is None:
+            o = self.run.optim
+            self.labeler = self.engine.chain.labeler(
+                self.cfg, phi_init=self.phi_init,
+                max_steps=(o.epochs - o.pretrain_epochs) * steps_per_epoch,
+                trusted=self.trusted, clean=self.engine.data.clean,
+                steps_per_epoch=steps_per_epoch)
+            self.labeler.step_count = self.lccn_step
+        if hasattr(self.labeler, "max_staleness"):
+            self.labeler.max_staleness = 0
+
+    def _active(self, epoch: int) -> GibbsLabeler | None:
+        return self.labeler if self.in_noise_phase(epoch) else None
+
+    def train_epoch(self, epoch: int, batches: Iterable[Any],
+                    after_step: Callable[[], None]) -> dict[str, float]:
+        m = self.members[0]
+        active = self._active(epoch)
+        self._epoch = epoch
+        observers = ([fn for fn in (w.sink(epoch) for w in self.windows) if fn is not None]
+                     if active is not None else [])
+
+        def observe(idx: Tensor, posterior: Tensor, valid: Tensor) -> None:
+            idx, posterior = idx[valid], posterior[valid.to(posterior.device)]
+            for fn in observers:
+                fn(idx, posterior)
+
+        stats = train_one_epoch(m.train_model, batches, m.optimizer, labeler=active,
+                                trusted=self.trusted, xi=self.cfg.xi, device=self.engine.device,
+                                num_classes=self.num_classes, after_step=after_step,
+                                observe=observe if observers else None)
+        if self.labeler is not None:
+            self.lccn_step = self.labeler.step_count
+        if active is not None:
+            if self.outlier_mean is not None:
+                self.outlier_mean.end_epoch(epoch, self.engine.reduce_cpu)
+            finish_epoch(self.report, self.engine, epoch, [m.scorer])
+        return stats
+
+    def flush(self) -> None:
+        if self.labeler is not None:
+            self.labeler.flush()
+            self.lccn_step = self.labeler.step_count
+        # every rank at every moment: collectives (no-ops, on every rank alike, at an epoch
+        # end, where train_epoch has merged them already)
+        for w in self.windows:
+            w.merge(self.engine.reduce_cpu)
+
+    def noise_model(self) -> Tensor | None:
+        """The chain's phi from this rank's replica of C (None in the CE phase, where the
+        classifier predicts the observed labels itself)."""
+        if self.labeler is None:
+            return None
+        return transition(self.labeler.counts.cpu(), self.labeler.alpha.cpu())
+
+    def epoch_stats(self) -> dict[str, float]:
+        return {"staleness_max": float(getattr(self.labeler, "max_staleness", 0))
+                if self.labeler is not None else 0.0}
+
+    def observe_chain(self, state: dict | None, *, epoch: int,
+                      row: dict[str, float] | None) -> dict[str, float]:
+        """transition_error of the chain's phi (NaN before the chain starts); at an epoch
+        end of the noise phase the chain's health and the monitor's verdict
+        (``collapse``), which raises :class:`~pipeline.core.monitor.ChainCollapsed` itself in
+        one process with ``MonitorConfig.stop``."""
+        if state is None or self.phi_init is None:
+            return {"transition_error": float("nan")}
+        phi = transition(state["counts"])
+        out = {"transition_error": transition_error(phi, self.engine.data.transition)}
+        if row is None:
+            return out
+        health = chain_health(state["z"], state["observed"], self.engine.k_latent,
+                              self.num_classes, counted=state["counted"], phi=phi,
+                              phi_init=self.phi_init)
+        stop = None if self.engine.options.raise_on_collapse else False
+        val = row.get("val_top1", float("nan"))
+        out.update(health)
+        out["val_compared"] = float(self.monitor.compares(row.get("lr")))
+        out["collapse"] = float(bool(self.monitor.check(health, val, epoch=epoch,
+                                                        lr=row.get("lr"), stop=stop)))
+        return out
+
+    def final_files(self) -> dict[str, str]:
+        """LCCN*: ``outliers.csv`` (:func:`outlier_table`) over every training sample (the
+        noisy validation split left out), from the draws of the last ``outlier_epochs``
+        epochs, summed over ranks (:class:`~pipeline.core.posterior.PosteriorWindow`)."""
+        if self.outlier_mean is None or self.outlier_mean.sum is None:
+            return {}
+        eng = self.engine
+        n = eng.data.num_samples
+        train = torch.ones(n, dtype=torch.bool)
+        held_out = getattr(eng.data, "held_out", None)
+        if held_out is not None:
+            train &= ~torch.from_numpy(np.asarray(held_out, bool))
+        opts = eng.options
+        return {OUTLIERS_FILE: outlier_table(
+            self.outlier_mean.mean()[:, 0], eng.data.observed, torch.nonzero(train)[:, 0],
+            threshold=self.cfg.outlier_threshold, split_idx=opts.sample_idx,
+            keys=opts.sample_keys)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"lccn_step": self.lccn_step, "phi_init": self.phi_init,
+                **self.monitor.state_dict(),
+                "outlier_mean": (None if self.outlier_mean is None
+                                 else self.outlier_mean.state_dict()),
+                STATE_KEY: self.report.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.lccn_step = int(state.get("lccn_step", 0))
+        self.phi_init = state.get("phi_init")
+        self.monitor.load_state_dict(state)
+        saved = state.get("outlier_mean")
+        if saved is not None and self.outlier_mean is not None:
+            if "sums" in saved:  # a checkpoint of the earlier rank-0 gather format
+                saved = {"sum": saved["sums"], "count": saved["draws"]}
+            self.outlier_mean.load_state_dict(saved)
+        self.report.load_state_dict(state.get(STATE_KEY))

@@ -1,0 +1,88 @@
+"""One trial of a sweep: the job a trial runs (``jobs/<name>.py``, found by name), its run
+built from a sampled point of a search space and not started (:func:`trial_run`), and the
+Tune function trainable of the ASHA and FIFO sweeps (:func:`run_trial`; the PBT trainable is
+:func:`tune.pbt.run_trial`). Both :mod:`tune.sweep` and :mod:`tune.pbt` import this module;
+it imports neither.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from tune.reporting import EpochReport
+from tune.search_spaces import apply_point, scaled_lr_values
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "jobs"))
+sys.path.insert(0, str(REPO))
+
+
+JOBS = {"quickstart": "quickstart_ray", "cifar": "cifar_lccn",
+        "clothing1m": "clothing1m_lccn", "webvision": "webvision_divide_lccn"}
+
+
+def job_module(job: str):
+    """The job's module (``jobs/<name>.py``): ``get_args_parser``, ``prepare_run``, ``JOB``."""
+    for path in (str(REPO), str(REPO / "jobs")):  # in a Ray worker, too
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    if job not in JOBS:
+        raise ValueError(f"unknown job {job!r}; known: {sorted(JOBS)}")
+    return importlib.import_module(JOBS[job])
+
+
+def trial_run(config: dict[str, Any], *, job: str, job_argv: list[str], sweep_dir: str,
+              trial_id: str, tracking_uri: str | None, experiment: str,
+              parent_run_id: str | None, run_name: str | None = None,
+              extra_tags: list[tuple[str, str]] | None = None):
+    """The run of one trial, built and not started: ``(module, args, JobRun)`` of ``job``
+    with ``config`` (a sampled point, keys like ``"lccn.alpha"``) applied to its RunConfig,
+    run dir ``<sweep_dir>/trials/<trial_id>``, run name ``run_name`` (default the trial id;
+    a PBT trial restarted from a checkpoint runs a new one) and the MLflow tags of a child
+    of ``parent_run_id`` (plus ``extra_tags``)."""
+    mod = job_module(job)
+    import common
+
+    argv = list(job_argv) + ["--run-dir", str(Path(sweep_dir) / "trials" / trial_id),
+                             "--run-name", run_name or trial_id, "--experiment", experiment]
+    argv += ["--tracking-uri", tracking_uri] if tracking_uri else ["--no-tracking"]
+    args = mod.get_args_parser().parse_args(argv)
+    jr = mod.prepare_run(args)
+    run = apply_point(jr.run, config)
+    dist = jr.dist
+    if dist.lr_values and run.optim.lr != jr.run.optim.lr:  # piecewise schedule: scale it
+        dist = dataclasses.replace(dist, lr_values=scaled_lr_values(dist.lr_values,
+                                                                    run.optim.lr))
+    tags = [("tune.trial_id", trial_id), *(extra_tags or [])]
+    if parent_run_id:
+        tags.append(("mlflow.parentRunId", parent_run_id))
+    dist = dataclasses.replace(dist, mlflow_tags=tuple(tags))
+    # the job's run warnings (the warm-up's) spoke of its own δ and schedule: the trial's
+    log = [*jr.log, f"[sweep] trial {trial_id}: {json.dumps(config, default=str)}"]
+    note = (common.warmup_covers_phase(run, jr.manifest, args.num_workers)
+            if jr.manifest is not None else None)
+    return mod, args, common.JobRun(
+        run=run, dist=dist, view=jr.view, log=log, manifest=jr.manifest,
+        run_warnings=[f"[sweep] trial {trial_id}: warning: {note}"] if note else [])
+
+
+def run_trial(config: dict[str, Any], **kwargs: Any) -> None:
+    """Tune function trainable: the trial's run (:func:`trial_run`) fitted on Ray. The Train
+    run's epoch reports go to Tune through :class:`tune.reporting.EpochReport`; nothing is
+    reported after ``fit()``. A trial run again (a restored sweep) resumes its Train run from
+    its last checkpoint."""
+    import ray.tune
+
+    job_module(kwargs["job"])
+    import common
+
+
+    trial_id = ray.tune.get_context().get_trial_id()
+    mod, args, jr = trial_run(config, trial_id=trial_id, **kwargs)
+    common.run_job(args, job=mod.JOB, run=jr.run, dist=jr.dist, view=jr.view, log=jr.lines(),
+                   callbacks=[EpochReport()])
