@@ -8,7 +8,7 @@ step, run name, the loader geometry), written by rank 0 at one consistent moment
 Nothing here imports Ray: Ray Train's own registry of checkpoints is read from its
 snapshot file.
 
-Imports: :mod:`pipeline.core` only.
+Imports: :mod:`pipeline.core` and :mod:`pipeline.train.sources` (the loader geometry).
 """
 
 from __future__ import annotations
@@ -47,9 +47,7 @@ def init_state_file(path: str | os.PathLike) -> Path:
         return p
     if (p / STATE_FILE).is_file():
         return p / STATE_FILE
-    # the resume path's own choice (a folder that does not load is skipped); imported here:
-    # pipeline.dist.ray_train imports this module (and Ray only inside its functions)
-
+    # the resume path's own choice (a folder that does not load is skipped)
     roots = [p] + ([r for r in sorted((p / "train").iterdir()) if r.is_dir()]
                    if (p / "train").is_dir() else [])
     found = {r: d for r in roots if (d := newest_complete_checkpoint(r)) is not None}

@@ -4,15 +4,16 @@ worker.
 Three things vary between a run in this process and a run in Ray Train workers, and each is
 an object the engine is given; the loop itself is the same:
 
-- the :class:`Session`: rank, world size, device, collectives (``barrier``,
+- the :class:`~pipeline.train.session.Session`: rank, world size, device, collectives (``barrier``,
   ``all_reduce_sum``, ``all_gather``), ``prepare_model`` (DDP), ``load_checkpoint`` and
-  ``report``. :class:`ProcessSession` (one process, nothing kept), ``LocalSession``
+  ``report``. :class:`~pipeline.train.session.ProcessSession` (one process, nothing kept), ``LocalSession``
   (:mod:`pipeline.dist.worker`: one process, checkpoints on disk) and ``RaySession``
   (:mod:`pipeline.dist.ray_train`);
-- the data (:class:`TensorSource`: in-memory tensors; :class:`ShardSource`: the
+- the data (:class:`~pipeline.train.sources.TensorSource`: in-memory tensors;
+  :class:`~pipeline.train.shard_source.ShardSource`: the
   WebDataset loader of :mod:`pipeline.data.stream`, each rank its share): the training pass of an
   epoch, the training split in eval mode, the noisy validation split, the test split;
-- the chain backend (:class:`LocalChain`: an in-process
+- the chain backend (:mod:`pipeline.train.chains`; :class:`LocalChain`: an in-process
   :class:`~pipeline.core.confusion_store.ConfusionStore`; :class:`SharedChain`: a client of the
   run's fenced store actor; :class:`ChainSet`: one of those per network, for a method with
   ``num_chains > 1``).
