@@ -371,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--change", type=float, default=0.2,
                    help="fraction of each batch whose latent label is redrawn")
     p.add_argument("--duration", type=float, default=2.0, help="measured seconds per run")
-    p.add_argument("--warmup", type=float, default=0.5)
+    p.add_argument("--warmup-seconds", type=float, default=0.5,
+                   help="unmeasured seconds before each run")
     p.add_argument("--repeats", type=int, default=2, help="runs per point, the best is kept")
     p.add_argument("--client-procs", type=int, default=1,
                    help="processes hosting the simulated workers")
@@ -383,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.workers, args.naive_workers, args.wire_workers = [1, 4], [1], [4]
         args.push_workers, args.commit_every = [4], [8]
-        args.duration, args.warmup, args.repeats = 1.0, 0.5, 1
+        args.duration, args.warmup_seconds, args.repeats = 1.0, 0.5, 1
 
     torch.set_num_threads(1)
     from pipeline.dist.ray_train import init_ray  # local Ray bound to 127.0.0.1
@@ -408,19 +409,19 @@ def main(argv: list[str] | None = None) -> int:
         for k in args.classes:
             for naive in (() if args.only_push else (False, True)):
                 load = Load(args.samples, k, args.batch, args.change, args.duration,
-                            args.warmup, naive=naive)
+                            args.warmup_seconds, naive=naive)
                 base[(k, protocol_name(load, False))] = inprocess_step_cost(
                     load, steps=200 if naive else 2000, seed=args.seed)
                 sweep(load, args.naive_workers if naive else args.workers)
             for n in args.commit_every:
                 load = Load(args.samples, k, args.batch, args.change, args.duration,
-                            args.warmup, wire="push", commit_every=n)
+                            args.warmup_seconds, wire="push", commit_every=n)
                 base[(k, protocol_name(load, False))] = inprocess_step_cost(
                     load, steps=500, seed=args.seed)
                 sweep(load, args.push_workers)
         if not args.only_push:
             k = max(args.classes)
-            load = Load(args.samples, k, args.batch, args.change, args.duration, args.warmup)
+            load = Load(args.samples, k, args.batch, args.change, args.duration, args.warmup_seconds)
             sweep(load, args.wire_workers, zero_copy=True)
             sweep(dataclasses.replace(load, wire="numpy"), args.wire_workers)
             sweep(dataclasses.replace(load, wire="echo"), args.wire_workers)

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.core.config import BaselineConfig, LCCNConfig, ModelConfig, OptimConfig, RunConfig
 from pipeline.core.noise import CIFAR10_ASYM_MAP, pair_flip  # noqa: E402
+from pipeline.core.options import add_options
 from pipeline.data.digits import clean_view, load_digits_arrays, split_indices, to_tensor  # noqa: E402
 from pipeline.train.trainer import LocalTrainer, TensorData, select_epoch  # noqa: E402
 
@@ -43,8 +44,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     p.add_argument("--rate", type=float, default=0.4)
-    p.add_argument("--epochs", type=int, default=40)
-    p.add_argument("--pretrain-epochs", type=int, default=8)
+    add_options(p, ("--epochs", "--pretrain-epochs"),
+                defaults={"--epochs": 40, "--pretrain-epochs": 8})
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--write", type=Path, default=None, help="write the table here (Markdown)")
     return p

@@ -43,7 +43,7 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -53,14 +53,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.core.config import (
-    COMPILES,
-    LCCNConfig,
-    ModelConfig,
-    OptimConfig,
-    PerfConfig,
     RunConfig,
 )
-from pipeline.core.labels import LabelView  # noqa: E402
+from pipeline.core.labels import LabelView
 from pipeline.core.noise import (
     asymmetric_cifar10,
     clean_view,
@@ -68,9 +63,10 @@ from pipeline.core.noise import (
     instance_dependent,
     symmetric,
 )
+from pipeline.core.options import UNSET, add_options, apply_options, apply_point
 from pipeline.data.cifar_memory import RandomCropFlip, channel_stats, load_cifar10, normalise
-from pipeline.data.transforms import PerImageStandardize  # noqa: E402
-from pipeline.train.trainer import LocalTrainer, TensorData, select_epoch  # noqa: E402
+from pipeline.data.transforms import PerImageStandardize
+from pipeline.train.trainer import LocalTrainer, TensorData, select_epoch
 
 SETTINGS = {
     "asym0.5": ("asymmetric", 0.5),
@@ -80,7 +76,16 @@ SETTINGS = {
     "clean": ("symmetric", 0.0),  # the ceiling: every label right
 }
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-_LCCN_DEFAULTS = LCCNConfig()
+
+
+# the config fields the benchmark takes from the command line, and its protocol's defaults
+FLAGS = ("--model", "--epochs", "--pretrain-epochs", "--milestones", "--lr", "--batch-size",
+         "--ema-decay", "--norm-weight-decay", "--bn-momentum", "--compile", "--val-fraction",
+         "--alpha", "--warmup-steps", "--warmup", "--targets", "--init", "--warmup-prior",
+         "--ramp-epochs", "--refresh-steps")
+DEFAULTS = {"--model": "cnn_wide", "--epochs": 24, "--pretrain-epochs": 8,
+            "--milestones": (16, 21), "--lr": 0.1, "--batch-size": 128,
+            "--warmup-steps": UNSET}
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -100,29 +105,13 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="noise, split, init, shuffling and Gibbs seed of each run")
     p.add_argument("--train-size", type=int, default=20000,
                    help="class-balanced subset of the 50,000 training images")
-    p.add_argument("--model", default="cnn_wide")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (1 is the robust choice on a shared 2-core machine)")
-    p.add_argument("--epochs", type=int, default=24)
-    p.add_argument("--pretrain-epochs", type=int, default=8)
-    p.add_argument("--milestones", type=int, nargs="*", default=[16, 21])
-    p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--lr-values", type=float, nargs="*", default=[],
                    help="lr of each phase between milestones (the paper's CIFAR preset: 0.5 "
                         "0.1 0.01 at milestones 40 80); empty: --lr x0.1 per milestone")
     p.add_argument("--device", default="cpu", help="cpu or cuda (the GPU runs of the "
                    "paper's schedule)")
-    p.add_argument("--ema-decay", type=float, default=0.0,
-                   help="evaluate a moving average of the weights (OptimConfig.ema_decay; "
-                        "the paper's code: 0.9999); 0: the live weights")
-    p.add_argument("--norm-weight-decay", type=float, default=None,
-                   help="weight decay of the batch-norm parameters "
-                        "(OptimConfig.norm_weight_decay; the paper's code: 0); default: 5e-4 "
-                        "as the other weights")
-    p.add_argument("--bn-momentum", type=float, default=None,
-                   help="momentum of the batch-norm running statistics, PyTorch's convention "
-                        "(ModelConfig.bn_momentum; the paper's code's decay 0.997 is 0.003); "
-                        "default: PyTorch's 0.1")
     p.add_argument("--normalise", choices=["channel", "image"], default="channel",
                    help="channel: each channel by the training subset's mean and deviation, "
                         "once, before augmentation; image: each image by its own mean and "
@@ -136,9 +125,6 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--restart-control", action="store_true",
                    help="with --restart: restart CE instead of LCCN (the control: is the gain "
                         "the second schedule's?); its result is stored as 'ce_restart'")
-    p.add_argument("--compile", choices=COMPILES, default="off",
-                   help="torch.compile mode of the training step (PerfConfig.compile; "
-                        "reduce-overhead for long GPU runs)")
     p.add_argument("--pretrain-out", type=Path, default=None,
                    help="with --methods ce: also write the state after the CE pre-training "
                         "(model, optimiser, generator, epoch rows) to this file, for an LCCN "
@@ -149,28 +135,16 @@ def get_args_parser() -> argparse.ArgumentParser:
                         "pre-training here")
     p.add_argument("--pretrain-wait", type=float, default=7200.0,
                    help="seconds to wait for --pretrain-from before giving up")
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--val-fraction", type=float, default=0.05)
-    p.add_argument("--alpha", type=float, default=_LCCN_DEFAULTS.alpha)
-    p.add_argument("--warmup-steps", type=int, default=None,
-                   help="LCCN warm-up steps (default: one epoch of the training split)")
-    p.add_argument("--warmup", choices=["anchor", "eq8", "identity"],
-                   default=_LCCN_DEFAULTS.warmup)
-    p.add_argument("--targets", choices=["posterior", "sample", "map"],
-                   default=_LCCN_DEFAULTS.targets)
-    p.add_argument("--init", choices=["argmax", "observed"], default=_LCCN_DEFAULTS.init)
-    p.add_argument("--warmup-prior", choices=["model", "deconvolved"],
-                   default=_LCCN_DEFAULTS.warmup_prior,
-                   help="Eq. 7's prior during the warm-up: the classifier, or the classifier "
-                        "read as the noisy posterior and deconvolved through phi_init")
-    p.add_argument("--ramp-epochs", type=float, default=_LCCN_DEFAULTS.ramp_epochs)
-    p.add_argument("--refresh-steps", type=int, default=_LCCN_DEFAULTS.refresh_steps,
-                   help="LCCNConfig.refresh_steps (the paper's code: 200)")
     p.add_argument("--oracle-phi", action="store_true",
                    help="diagnostic, not a method: LCCN samples with the true transition of the "
                         "label view for its whole phase (phi_init := truth, warm-up = every "
                         "LCCN step), the bound a perfect estimate of phi gives this classifier "
                         "and budget")
+    add_options(p, FLAGS, defaults=DEFAULTS, unset="one epoch of the training split",
+                notes={"--ema-decay": "the paper's code: 0.9999",
+                       "--norm-weight-decay": "the paper's code: 0",
+                       "--bn-momentum": "the paper's code's decay 0.997 is 0.003",
+                       "--refresh-steps": "the paper's code: 200"})
     p.add_argument("--methods", nargs="+", choices=["ce", "lccn"], default=["ce", "lccn"])
     p.add_argument("--time-epoch", action="store_true",
                    help="time one CE epoch (+ validation and test passes), then exit")
@@ -244,19 +218,8 @@ def run_config(args: argparse.Namespace, method: str, seed: int, steps_per_epoch
     warm = steps_per_epoch if args.warmup_steps is None else args.warmup_steps
     if args.oracle_phi:  # the whole LCCN phase samples with the truth
         warm = args.epochs * steps_per_epoch
-    return RunConfig(
-        method=method, seed=seed,
-        model=ModelConfig(args.model, in_channels=3, bn_momentum=args.bn_momentum),
-        val_fraction=args.val_fraction,
-        optim=OptimConfig(epochs=args.epochs, pretrain_epochs=args.pretrain_epochs,
-                          batch_size=args.batch_size, lr=args.lr, momentum=0.9,
-                          weight_decay=5e-4, milestones=tuple(args.milestones), lr_decay=0.1,
-                          ema_decay=args.ema_decay, norm_weight_decay=args.norm_weight_decay),
-        perf=PerfConfig(compile=args.compile),
-        lccn=LCCNConfig(alpha=args.alpha, warmup_steps=warm, warmup=args.warmup,
-                        targets=args.targets, init=args.init,
-                        warmup_prior=args.warmup_prior,
-                        ramp_epochs=args.ramp_epochs, refresh_steps=args.refresh_steps))
+    run = apply_options(RunConfig(method=method, seed=seed), args, FLAGS)
+    return apply_point(run, {"lccn.warmup_steps": warm})
 
 
 # -- runs ------------------------------------------------------------------------------------
@@ -583,7 +546,7 @@ def markdown_report(results: list[dict]) -> str:
     for r in sorted(results, key=lambda r: (list(SETTINGS).index(r["setting"]), r["seed"])):
         s = {m: e["summary"] for m, e in r["methods"].items()}
         lc = s.get("lccn")
-        f = lambda v: f"{100 * v['final_test']:.2f} / {100 * v['selected_test']:.2f}"  # noqa: E731
+        f = lambda v: f"{100 * v['final_test']:.2f} / {100 * v['selected_test']:.2f}"
         lines.append(
             f"| {r['setting']} | {r['seed']} | {r['realised_noise_rate']:.3f} | "
             f"{f(s['ce']) if 'ce' in s else '-'} | "

@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_cifar  # noqa: E402
 
 from pipeline.core.noise import clean_view, open_set, shuffle_pixels, trusted_subset  # noqa: E402
+from pipeline.core.options import add_options
 from pipeline.data.cifar_memory import RandomCropFlip, channel_stats, load_cifar10, normalise
 from pipeline.train.trainer import LocalTrainer, TensorData  # noqa: E402
 
@@ -63,9 +64,8 @@ def get_args_parser() -> argparse.ArgumentParser:
             a.choices, a.default = METHODS, list(METHODS)
         if a.dest == "out":
             a.default = Path("/tmp/lccn_methods/results")
-    p.add_argument("--outlier-prior", type=float, default=0.0,
-                   help="LCCNConfig.outlier_prior of lccn_star and lccn_plus (the outlier "
-                        "row's warm-up; 0 = off, the library default)")
+    add_options(p, ("--outlier-prior",),
+                notes={"--outlier-prior": "of lccn_star and lccn_plus"})
     return p
 
 

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.core.config import ModelConfig, OptimConfig, RunConfig  # noqa: E402
 from pipeline.core.noise import symmetric  # noqa: E402
+from pipeline.core.options import add_options
 from pipeline.data.digits import clean_view, load_digits_arrays, split_indices, to_tensor  # noqa: E402
 from pipeline.train.trainer import LocalTrainer, TensorData  # noqa: E402
 
@@ -38,8 +39,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--rate", type=float, default=0.4)
-    p.add_argument("--epochs", type=int, default=8)
-    p.add_argument("--pretrain", type=int, default=2)
+    add_options(p, ("--epochs", "--pretrain-epochs"),
+                defaults={"--epochs": 8, "--pretrain-epochs": 2})
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=None, help="write the table here (markdown)")
@@ -52,7 +53,7 @@ def run(method: str, seed: int, args: argparse.Namespace) -> dict[str, float]:
     x = to_tensor(images)
     view = symmetric(labels[tr], 10, args.rate, seed=seed)
     cfg = RunConfig(method=method, seed=seed, model=ModelConfig("small_cnn", 1),
-                    optim=OptimConfig(epochs=args.epochs, pretrain_epochs=args.pretrain,
+                    optim=OptimConfig(epochs=args.epochs, pretrain_epochs=args.pretrain_epochs,
                                       batch_size=64, lr=0.05))
     trainer = LocalTrainer(cfg, TensorData(x[tr], view), TensorData(x[te], clean_view(labels[te])))
     t0 = time.perf_counter()
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> str:
     table = "\n".join(["| method | test top-1, mean (min-max) | division precision | "
                        "s / noise epoch | s / run |", "|---|---|---|---|---|", *rows])
     load = os.getloadavg()[0]
-    print(f"\nseeds {args.seeds}, rate {args.rate}, {args.epochs} epochs ({args.pretrain} CE), "
+    print(f"\nseeds {args.seeds}, rate {args.rate}, {args.epochs} epochs ({args.pretrain_epochs} CE), "
           f"{args.threads} thread(s), load average {load:.1f}\n")
     print(table)
     if args.out is not None:

@@ -31,15 +31,16 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "jobs"))
 
+from pipeline.core.options import add_options  # noqa: E402
+
 
 def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--rate", type=float, default=0.4)
-    p.add_argument("--epochs", type=int, default=8)
-    p.add_argument("--pretrain-epochs", type=int, default=4)
-    p.add_argument("--val-fraction", type=float, default=0.2)
-    p.add_argument("--report-epochs", type=int, default=3)
+    add_options(p, ("--epochs", "--pretrain-epochs", "--val-fraction", "--report-epochs"),
+                defaults={"--epochs": 8, "--pretrain-epochs": 4, "--val-fraction": 0.2,
+                          "--report-epochs": 3})
     p.add_argument("--write", type=Path, default=None, help="write the table here (Markdown)")
     return p
 

@@ -39,6 +39,7 @@ sys.path.insert(0, str(REPO))
 
 from pipeline.core.config import LCCNConfig, ModelConfig, OptimConfig, RunConfig  # noqa: E402
 from pipeline.core.noise import open_set  # noqa: E402
+from pipeline.core.options import add_options
 from pipeline.data.digits import clean_view, load_digits_arrays, split_indices, to_tensor  # noqa: E402
 from pipeline.train.trainer import LocalTrainer, TensorData, open_set_images  # noqa: E402
 
@@ -50,8 +51,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--outlier-warmup", type=float, default=LCCNConfig.outlier_warmup,
                    help="fraction of the LCCN phase the prior applies to")
     p.add_argument("--fraction", type=float, default=0.2)
-    p.add_argument("--epochs", type=int, default=6)
-    p.add_argument("--pretrain-epochs", type=int, default=2)
+    add_options(p, ("--epochs", "--pretrain-epochs"),
+                defaults={"--epochs": 6, "--pretrain-epochs": 2})
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--write", action="store_true",
                    help="write benchmarks/results/outliers.md")

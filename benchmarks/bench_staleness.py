@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT / "jobs"))
 sys.path.insert(0, str(ROOT))
 import quickstart_ray  # noqa: E402
 
+from pipeline.core.options import UNSET, add_options
 from pipeline.train.checkpoints import load_state  # noqa: E402
 
 
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                    default=[(1, 1), (2, 1), (2, 8), (2, 32)],
                    help="WORKERS:COMMIT_EVERY pairs")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--epochs", type=int, default=None, help="override the preset's 30")
+    add_options(p, ("--epochs",), defaults={"--epochs": UNSET}, unset="the preset's 30")
     p.add_argument("--out", type=Path, default=None, help="write the markdown table here")
     args = p.parse_args(argv)
     extra = [] if args.epochs is None else ["--epochs", str(args.epochs)]

@@ -55,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pipeline.core.batch import Batch  # noqa: E402
 from pipeline.core.config import LCCNConfig  # noqa: E402
 from pipeline.core.confusion_store import ConfusionStore, Sync  # noqa: E402
+from pipeline.core.options import add_options
 from pipeline.core.warmup import smoothed_identity  # noqa: E402
 from pipeline.dist.store_actor import ActorStoreClient, StoreActor  # noqa: E402
 from pipeline.train.labeler import GibbsLabeler  # noqa: E402
@@ -345,8 +346,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="torch threads in this process (1 leaves a core to Ray and the actor)")
     p.add_argument("--ray-workers", type=int, default=0,
                    help="also run blocking/overlapped with this many Ray worker actors")
-    p.add_argument("--commit-every", type=int, default=8,
-                   help="LCCNConfig.commit_every of the push mode")
+    add_options(p, ("--commit-every",), notes={"--commit-every": "of the push mode"})
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
                    help="modes to measure (ce is always measured: the reference)")
     p.add_argument("--num-cpus", type=int, default=2)

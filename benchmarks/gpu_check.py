@@ -36,6 +36,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from pipeline.core.options import add_options  # noqa: E402 (the config only: no torch)
+
 
 def fail(msg: str) -> None:
     print(f"gpu_check: {msg}", file=sys.stderr, flush=True)
@@ -287,12 +289,13 @@ def main() -> None:
     p.add_argument("--cifar", type=Path, default=None, help="cifar10-jpeg.tar.gz (optional)")
     p.add_argument("--out", type=Path, default=None, help="write the markdown report here")
     p.add_argument("--json", type=Path, default=None, help="write the raw figures here")
-    p.add_argument("--epochs", type=int, default=3, help="ResNet-32 epochs per method")
+    add_options(p, ("--epochs",), defaults={"--epochs": 3},
+                notes={"--epochs": "ResNet-32 epochs per method"})
     p.add_argument("--r50-steps", type=int, default=30)
     p.add_argument("--shard-images", type=int, default=6144)
     p.add_argument("--workers", type=int, nargs="+", default=[4, 8, 14])
     p.add_argument("--no-shards", action="store_true")
-    p.add_argument("--compile", action="store_true", help="also time torch.compile")
+    p.add_argument("--time-compile", action="store_true", help="also time torch.compile")
     p.add_argument("--compile-mode", default=None,
                    choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
                    help="run part 1 only, compiled (PerfConfig.compile), as one LCCN run of "
@@ -343,7 +346,7 @@ def main() -> None:
         return
     res["resnet32_ce"] = cifar_epochs(train, test, "ce", args.epochs, perf, dev)
     res["resnet32_lccn"] = cifar_epochs(train, test, "lccn", args.epochs, perf, dev)
-    if args.compile:
+    if args.time_compile:
         try:
             res["resnet32_ce_compiled"] = cifar_epochs(
                 train, test, "ce", args.epochs, replace(perf, compile="default"), dev)

@@ -31,24 +31,22 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.core.config import (
-    METHODS,
-    TRANSITIONS,
     BaselineConfig,
     DivideConfig,
     LCCNConfig,
     ModelConfig,
-    MonitorConfig,
-    OptimConfig,
-    PerfConfig,
     RunConfig,
     json_safe,
     scaled_lr_values,
 )
-from pipeline.core.labels import LabelView  # noqa: E402
-from pipeline.core.noise import format_transition  # noqa: E402
-from pipeline.data.manifest import Manifest  # noqa: E402
-from pipeline.data.stream import check_label_view, check_splits  # noqa: E402
-from pipeline.dist.worker import DistConfig  # noqa: E402
+from pipeline.core.labels import LabelView
+from pipeline.core.noise import format_transition
+from pipeline.core.options import FLAGS, UNSET, add_option_groups, apply_options, dest
+from pipeline.data.manifest import Manifest
+from pipeline.data.stream import check_label_view, check_splits
+from pipeline.dist.worker import DistConfig
+from pipeline.track.tracking import add_tracking_options, tracking_uri_of
+from pipeline.train.methods import registered
 
 _LCCN, _DIVIDE = LCCNConfig(), DivideConfig()
 
@@ -239,7 +237,7 @@ def presets_table() -> str:
     rows = ["| " + " | ".join(PRESET_COLUMNS) + " |", "|" + "---|" * len(PRESET_COLUMNS)]
     for name, p in PRESETS.items():
         own = {m: METHOD_PRESETS[(name, m)] for (d, m) in METHOD_PRESETS if d == name}
-        others = [m for m in METHODS if m not in own]
+        others = [m for m in registered() if m not in own]
         groups = [(", ".join(others), p)] + [(m, r) for m, r in own.items()]
         for methods, r in groups:
             if r.lr_values:
@@ -289,10 +287,7 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
                    help="also checkpoint every N steps inside an epoch (0: end of epoch only)")
     g.add_argument("--max-failures", type=int, default=1,
                    help="worker-group restarts from the last checkpoint before giving up")
-    g.add_argument("--tracking-uri", default=None,
-                   help="MLflow tracking URI (default $MLFLOW_TRACKING_URI, else "
-                        "sqlite:///<run-dir>/mlflow.db)")
-    g.add_argument("--no-tracking", action="store_true", help="do not log to MLflow")
+    add_tracking_options(g, store="<run-dir>")
     g.add_argument("--experiment", default=f"lccn-{job}", help="MLflow experiment")
     g.add_argument("--smoke-test", action="store_true",
                    help="2 CPU workers on tiny shards generated under the run dir, small CNN, "
@@ -309,14 +304,12 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
     m = p.add_argument_group(
         f"method and recipe (defaults: the recipe of --method on {preset.name}, the papers' "
         f"schedules: the table 'Presets' in docs/methods.md)")
-    m.add_argument("--method", choices=METHODS, default=preset.method,
+    m.add_argument("--method", choices=registered(), default=preset.method,
                    help="lccn, the ce baseline, dividemix / divide_lccn (two networks), or a "
                         "classic baseline: bootstrap (hard, Reed et al.), forward (Patrini et "
                         "al.), sadapt (S-adaptation, Goldberger & Ben-Reuven), trevision "
                         "(T-Revision, Xia et al.); each after the same CE pre-training "
                         "(docs/methods.md)")
-    m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--model", default=None)
     m.add_argument("--pretrained", action=argparse.BooleanOptionalAction, default=None,
                    help="ImageNet weights for the backbone (resnet50 only)")
     m.add_argument("--init-from", default=None, metavar="RUN_OR_CHECKPOINT",
@@ -324,124 +317,46 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
                         "(<run-dir>/train/<run-name>), a checkpoint folder or state.pt. With "
                         "--pretrain-epochs 0 after a finished CE run this is the paper's code's "
                         "protocol (docs/guide.md)")
-    m.add_argument("--epochs", type=int, default=None, help="total epochs, CE included")
-    m.add_argument("--pretrain-epochs", type=int, default=None,
-                   help="CE epochs before LCCN starts")
-    m.add_argument("--batch-size", type=int, default=None,
-                   help="global batch (each worker takes batch-size / num-workers)")
-    m.add_argument("--lr", type=float, default=None,
-                   help="learning rate (of the first phase; a recipe's per-phase rates are "
-                        "scaled to start at it)")
-    m.add_argument("--milestones", type=int, nargs="*", default=None,
-                   help="epochs at which the lr changes (given without --lr-values: lr x "
-                        "lr-decay at each)")
     m.add_argument("--lr-values", type=float, nargs="*", default=None,
                    help="lr of each phase between milestones, len(milestones) + 1 values "
                         "(empty: lr x lr-decay per milestone)")
-    m.add_argument("--lr-decay", type=float, default=None,
-                   help="lr factor at each milestone (given without --lr-values: replaces a "
-                        "recipe's per-phase rates)")
-    m.add_argument("--weight-decay", type=float, default=None)
-    m.add_argument("--ema-decay", type=float, default=None,
-                   help="evaluate a moving average of the weights with this decay "
-                        "(OptimConfig.ema_decay; 0: the live weights)")
-    m.add_argument("--norm-weight-decay", type=float, default=None,
-                   help="weight decay of the normalisation layers' parameters "
-                        "(OptimConfig.norm_weight_decay; default: --weight-decay's; the "
-                        "paper's CIFAR code: 0)")
-    m.add_argument("--bn-momentum", type=float, default=None,
-                   help="momentum of the batch-norm running statistics, PyTorch's convention "
-                        "(ModelConfig.bn_momentum; default: PyTorch's 0.1; the paper's CIFAR "
-                        "code's decay 0.997 is 0.003)")
-    m.add_argument("--alpha", type=float, default=None, help="Dirichlet alpha")
-    m.add_argument("--warmup-steps", type=int, default=None,
-                   help="LCCN steps sampling with phi_init (delta)")
-    m.add_argument("--warmup", choices=("anchor", "eq8", "identity"), default=None,
-                   help="how phi_init is estimated (LCCNConfig.warmup)")
-    m.add_argument("--warmup-prior", choices=("model", "deconvolved"),
-                   default=LCCNConfig.warmup_prior,
-                   help="Eq. 7's prior during the warm-up: the classifier (the paper), or the "
-                        "CE classifier read as the noisy posterior and deconvolved through "
-                        "phi_init (LCCNConfig.warmup_prior: for pair-flip noise; it collapses "
-                        "under symmetric noise)")
-    m.add_argument("--targets", choices=("sample", "posterior", "map"),
-                   default=None,
-                   help="what the classifier trains on in the LCCN phase (LCCNConfig.targets)")
-    m.add_argument("--ramp-epochs", type=float, default=None,
-                   help="epochs at the start of the LCCN phase over which the LCCN target's "
-                        "weight rises from 0 to 1 (LCCNConfig.ramp_epochs; 0 = the paper)")
-    m.add_argument("--refresh-steps", type=int, default=LCCNConfig.refresh_steps,
-                   help="after the warm-up, sample against (C + alpha) / rowsum refreshed "
-                        "every this many LCCN steps (LCCNConfig.refresh_steps; 1: the "
-                        "exact Eq. 7 conditional at every step; the paper's code: 200)")
-    m.add_argument("--commit-every", type=int, default=LCCNConfig.commit_every,
-                   help="each worker sends its sampled labels to the confusion actor once "
-                        "every this many steps (LCCNConfig.commit_every; 1: every step)")
-    m.add_argument("--report-epochs", type=int, default=LCCNConfig.report_epochs,
-                   help="label-issue report: average each training sample's Eq. 7 posterior "
-                        "over the last this many LCCN epochs (0: no report; "
-                        "docs/label-issues.md)")
-    m.add_argument("--stop-on-collapse", action="store_true",
-                   help="stop the run when the collapse monitor fires (default: warn)")
-    m.add_argument("--collapse-val-drop", type=float, default=MonitorConfig.val_drop,
-                   help="the monitor's 'classifier degrading' check: noisy-validation accuracy "
-                        "this far (a fraction) below its value when the noise phase started, "
-                        "checked in epochs at or below the learning rate that start was "
-                        "trained at (after --init-from: once the restarted schedule is back "
-                        "at the finished run's rate)")
-    m.add_argument("--anneal", action=argparse.BooleanOptionalAction, default=None,
-                   help="power annealing max(exp(-0.8 step/max_step), 0.5)")
-    m.add_argument("--outlier", action="store_true", help="LCCN*: K+1 latent classes")
-    m.add_argument("--outlier-prior", type=float, default=0.0, metavar="EPS",
-                   help="LCCN*: prior mass of the outlier class in Eq. 7 over the first half "
-                        "of the LCCN phase (0 = off; 0.5 makes the exported outlier flags "
-                        "fire, at some cost in accuracy: docs/methods.md)")
-    m.add_argument("--trusted-fraction", type=float, default=0.0,
+    add_option_groups(p, JOB_FLAGS, defaults=dict.fromkeys(RECIPE_FLAGS, UNSET), notes=JOB_NOTES)
+    t = p.add_argument_group("LCCN+ trusted samples (a label view's 'trusted' entry)")
+    t.add_argument("--trusted-fraction", type=float, default=0.0,
                    help="LCCN+: this fraction of samples with a clean label is trusted")
-    m.add_argument("--trusted", type=int, default=0, metavar="N",
+    t.add_argument("--trusted", type=int, default=0, metavar="N",
                    help="LCCN+: N in-distribution samples with a clean label are trusted "
                         "(stratified by class; 5000 in the paper's CIFAR runs)")
-    m.add_argument("--trusted-outliers", type=int, default=0, metavar="M",
+    t.add_argument("--trusted-outliers", type=int, default=0, metavar="M",
                    help="LCCN*+: M labelled out-of-distribution samples are trusted too "
                         "(500 in the paper; needs --outlier and an open-set --noise)")
-    m.add_argument("--trusted-keys", type=Path, default=None, metavar="FILE",
+    t.add_argument("--trusted-keys", type=Path, default=None, metavar="FILE",
                    help="LCCN+: the samples whose dataset key is listed in FILE (one per "
                         "line) are trusted, e.g. Clothing1M's clean_train_key_list.txt")
-    m.add_argument("--p-threshold", type=float, default=None,
-                   help="DivideMix/DivideLCCN: clean-probability threshold of the division")
-    m.add_argument("--mixmatch-alpha", type=float, default=None,
-                   help="DivideMix/DivideLCCN: MixMatch Beta(alpha, alpha)")
-    m.add_argument("--lambda-u", type=float, default=None,
-                   help="DivideMix/DivideLCCN: weight of the unlabelled loss (ramped in)")
-    m.add_argument("--temperature", type=float, default=None,
-                   help="DivideMix/DivideLCCN: sharpening temperature T")
-    m.add_argument("--conf-penalty", action=argparse.BooleanOptionalAction, default=None,
-                   help="DivideMix/DivideLCCN: negative-entropy penalty in the CE warm-up "
-                        "(asymmetric noise)")
-    m.add_argument("--compile", default="off",
-                   choices=("off", "default", "reduce-overhead", "max-autotune-no-cudagraphs"),
-                   help="torch.compile the step (PerfConfig.compile): 'reduce-overhead' halves "
-                        "a small CIFAR model's GPU epoch after ~1.5 min of compilation "
-                        "(benchmarks/results/gpu.md); off by default")
-    m.add_argument("--amp", choices=("auto", "bf16", "off"), default="auto",
-                   help="bf16 autocast (PerfConfig.amp; auto = on for CUDA workers)")
-    b = p.add_argument_group("classic baselines (BaselineConfig; defaults: the authors')")
-    b.add_argument("--bootstrap-beta", type=float, default=0.8,
-                   help="bootstrap: weight of the observed label against the network's arg max")
-    b.add_argument("--transition", choices=TRANSITIONS, default="anchor",
-                   help="forward, trevision: T from the pretrained network by anchor points "
-                        "or Eq. 8, or from --transition-file")
-    b.add_argument("--transition-file", type=Path, default=None,
-                   help="an oracle transition T[i, j] = P(observed=j | clean=i), one row per "
-                        "clean class (.npy, .json, .csv, .txt); implies --transition file")
-    b.add_argument("--revision-fraction", type=float, default=0.5,
-                   help="trevision: the last fraction of the noise phase that revises T "
-                        "(the rest reweights with T fixed)")
-    m.add_argument("--val-fraction", type=float, default=0.05,
-                   help="noisy validation split: this fraction of the training samples "
-                        "(stratified by observed label, fixed by the seed) is never trained "
-                        "on nor counted in C; val_top1 (accuracy against the observed labels) "
-                        "each epoch selects the epoch reported as 'selected' (0: none)")
+
+
+# the config fields a job takes from the command line (pipeline.core.options.FLAGS), and
+# those of them whose default is the recipe's (RECIPE_ARGS)
+JOB_FLAGS = tuple(FLAGS)
+RECIPE_FLAGS = tuple(f for f in JOB_FLAGS if dest(f) in RECIPE_ARGS)
+# what a job's user needs to know beyond the field's own documentation
+JOB_NOTES = {
+    "--lr": "a recipe's per-phase rates are scaled to start at it",
+    "--milestones": "given without --lr-values: lr x lr-decay at each",
+    "--lr-decay": "given without --lr-values: replaces a recipe's per-phase rates",
+    "--warmup-prior": "'deconvolved' is for pair-flip noise; it collapses under symmetric "
+                      "noise",
+    "--report-epochs": "docs/label-issues.md",
+    "--collapse-val-drop": "checked in epochs at or below the learning rate the noise "
+                           "phase's start was trained at (after --init-from: once the "
+                           "restarted schedule is back at the finished run's rate)",
+    "--compile": "'reduce-overhead' halves a small CIFAR model's GPU epoch after ~1.5 min of "
+                 "compilation (benchmarks/results/gpu.md)",
+    "--amp": "auto = on for CUDA workers",
+    "--transition-file": "implies --transition file",
+    "--val-fraction": "val_top1 (accuracy against the observed labels) each epoch selects "
+                      "the epoch reported as 'selected' (0: none)",
+}
 
 
 def add_data_args(p: argparse.ArgumentParser, *, noise_default: str) -> None:
@@ -462,30 +377,12 @@ def add_data_args(p: argparse.ArgumentParser, *, noise_default: str) -> None:
 def run_config(args: argparse.Namespace) -> RunConfig:
     """The RunConfig of the parsed arguments (options left unset: the recipe's)."""
     resolve_recipe(args)
-    anneal = bool(args.anneal)
-    return RunConfig(
-        method=args.method, seed=args.seed,
-        model=ModelConfig(args.model, in_channels=args.in_channels,
-                          bn_momentum=args.bn_momentum),
-        optim=OptimConfig(epochs=args.epochs, pretrain_epochs=args.pretrain_epochs,
-                          batch_size=args.batch_size, lr=args.lr, weight_decay=args.weight_decay,
-                          milestones=tuple(args.milestones), lr_decay=args.lr_decay,
-                          ema_decay=args.ema_decay, norm_weight_decay=args.norm_weight_decay),
-        lccn=LCCNConfig(alpha=args.alpha, warmup_steps=args.warmup_steps, warmup=args.warmup,
-                        warmup_prior=args.warmup_prior,
-                        targets=args.targets, ramp_epochs=args.ramp_epochs, anneal=anneal,
-                        outlier=args.outlier, outlier_prior=getattr(args, "outlier_prior", 0.0),
-                        use_trusted=uses_trusted(args),
-                        commit_every=args.commit_every,
-                        refresh_steps=args.refresh_steps,
-                        report_epochs=getattr(args, "report_epochs", LCCNConfig.report_epochs)),
-        baseline=baseline_config(args),
-        monitor=MonitorConfig(stop=args.stop_on_collapse, val_drop=args.collapse_val_drop),
-        divide=DivideConfig(p_threshold=args.p_threshold, temperature=args.temperature,
-                            mixmatch_alpha=args.mixmatch_alpha, lambda_u=args.lambda_u,
-                            conf_penalty=bool(args.conf_penalty)),
-        perf=PerfConfig(compile=getattr(args, "compile", "off"), amp=getattr(args, "amp", "auto")),
-        val_fraction=args.val_fraction)
+    base = RunConfig(model=ModelConfig(in_channels=args.in_channels),
+                     lccn=LCCNConfig(use_trusted=uses_trusted(args)),
+                     baseline=baseline_config(args))
+    own = [f for f in JOB_FLAGS if not FLAGS[f].startswith("baseline.")]
+    run = apply_options(base, args, own)
+    return replace(run, method=args.method)
 
 
 def uses_trusted(args: argparse.Namespace) -> bool:
@@ -573,11 +470,9 @@ def apply_smoke(args: argparse.Namespace) -> None:
 
 def dist_config(args: argparse.Namespace, *, run_name: str, train: str, test: str | None,
                 class_names: list[str], transform: str) -> DistConfig:
-    from pipeline.track.tracking import default_tracking_uri
-
     resolve_recipe(args)
     run_dir = args.run_dir.expanduser().resolve()
-    tracking = None if args.no_tracking else (args.tracking_uri or default_tracking_uri(run_dir))
+    tracking = tracking_uri_of(args, run_dir)
     return DistConfig(
         run_name=run_name, run_dir=str(run_dir), train_source=train, test_source=test,
         num_workers=args.num_workers, use_gpu=args.gpu, loader_workers=args.loader_workers,

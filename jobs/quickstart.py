@@ -20,10 +20,17 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.core.config import LCCNConfig, ModelConfig, OptimConfig, RunConfig  # noqa: E402
-from pipeline.core.noise import CIFAR10_ASYM_MAP, format_transition, pair_flip  # noqa: E402
+from pipeline.core.config import ModelConfig, OptimConfig, RunConfig
+from pipeline.core.noise import CIFAR10_ASYM_MAP, format_transition, pair_flip
+from pipeline.core.options import add_options, apply_options
 from pipeline.data.digits import clean_view, load_digits_arrays, split_indices, to_tensor
-from pipeline.train.trainer import LocalTrainer, TensorData  # noqa: E402
+from pipeline.train.trainer import LocalTrainer, TensorData
+
+# the config fields the quickstart takes from the command line, and its protocol's defaults
+FLAGS = ("--epochs", "--pretrain-epochs", "--batch-size", "--lr", "--alpha", "--warmup-steps",
+         "--targets", "--ramp-epochs")
+DEFAULTS = {"--epochs": 40, "--pretrain-epochs": 8, "--batch-size": 32, "--lr": 0.1,
+            "--alpha": 1.0, "--warmup-steps": 0, "--targets": "sample", "--ramp-epochs": 0.0}
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -32,17 +39,10 @@ def get_args_parser() -> argparse.ArgumentParser:
                    help="flip probability within the four flipped classes (9->1, 2->0, 4->7, "
                         "3->5); the other six never flip, so about 0.4 x r of all labels")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
-    p.add_argument("--epochs", type=int, default=40)
-    p.add_argument("--pretrain-epochs", type=int, default=8)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=0.1)
-    p.add_argument("--alpha", type=float, default=1.0)
-    p.add_argument("--warmup-steps", type=int, default=0)
-    p.add_argument("--targets", choices=["sample", "posterior", "map"], default="sample",
-                   help="sample (the paper's z): on this small set the model memorises the "
-                        "labels and the sampled z's relabelling wins (docs/fidelity.md)")
-    p.add_argument("--ramp-epochs", type=float, default=0.0,
-                   help="LCCNConfig.ramp_epochs; 0: 8 CE epochs make a strong start on digits")
+    add_options(p, FLAGS, defaults=DEFAULTS, notes={
+        "--targets": "sample: on this small set the model memorises the labels and the "
+                     "sampled z's relabelling wins (docs/fidelity.md)",
+        "--ramp-epochs": "0: 8 CE epochs make a strong start on digits"})
     p.add_argument("--out", type=Path, default=Path("runs/quickstart"))
     return p
 
@@ -58,13 +58,10 @@ def digits_noisy_split(rate: float, seed: int) -> tuple[TensorData, TensorData]:
 
 
 def run_config(args: argparse.Namespace, method: str, seed: int) -> RunConfig:
-    return RunConfig(
-        method=method, seed=seed, model=ModelConfig("small_cnn", in_channels=1),
-        optim=OptimConfig(epochs=args.epochs, pretrain_epochs=args.pretrain_epochs,
-                          batch_size=args.batch_size, lr=args.lr, weight_decay=5e-4,
-                          milestones=(int(args.epochs * 2 / 3),)),
-        lccn=LCCNConfig(alpha=args.alpha, warmup_steps=args.warmup_steps, targets=args.targets,
-                        ramp_epochs=args.ramp_epochs))
+    base = RunConfig(method=method, seed=seed, model=ModelConfig("small_cnn", in_channels=1),
+                     optim=OptimConfig(weight_decay=5e-4,
+                                       milestones=(int(args.epochs * 2 / 3),)))
+    return apply_options(base, args, FLAGS)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -177,9 +177,9 @@ def test_every_method_runs_its_recipe_from_the_presets_table(module, dataset, ex
     """The configs a job builds for each --method are the recipe of docs/methods.md's
     presets table (common.recipe): DivideMix's own schedule for dividemix/divide_lccn
     where it has one, the dataset's for the rest; an option on the command line wins."""
-    from pipeline.core.config import METHODS
+    from pipeline.train.methods import registered
 
-    for method in METHODS:
+    for method in registered():
         args, run = _configs(module, ["--data", "/x", "--method", method, *extra])
         r = common.recipe(dataset, method)
         o, d = run.optim, run.divide

@@ -18,7 +18,6 @@ import torch
 
 from pipeline.core.baselines import SAdaptation
 from pipeline.core.config import (
-    METHODS,
     BaselineConfig,
     ModelConfig,
     OptimConfig,
@@ -28,6 +27,7 @@ from pipeline.core.config import (
 from pipeline.core.labels import LabelView
 from pipeline.core.noise import CIFAR10_ASYM_MAP, pair_flip
 from pipeline.data.digits import clean_view, load_digits_arrays, split_indices, to_tensor
+from pipeline.train.methods import registered
 from pipeline.train.trainer import LocalTrainer, TensorData
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,7 +47,7 @@ def _run(method: str, *, epochs: int = 6, pretrain: int = 2, **baseline) -> RunC
 
 
 def test_baseline_config_round_trips_and_names_bad_values():
-    assert set(BASELINES) <= set(METHODS)
+    assert set(BASELINES) <= set(registered())
     run = _run("forward", transition="file", transition_file="/t.npy", bootstrap_beta=0.6)
     assert from_dict(RunConfig, asdict(run)) == run
     assert RunConfig().baseline == BaselineConfig()  # the authors' defaults

@@ -6,7 +6,6 @@ trial's checkpoint with mutated alpha and annealing floor."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +24,7 @@ def test_perturbed_values_are_clipped_into_the_configs_ranges():
     cfg = pbt.clip_config({"lccn.alpha": 1200.0, "lccn.anneal_floor": 1.2, "optim.lr": 9.0})
     assert cfg == {"lccn.alpha": 1000.0, "lccn.anneal_floor": 1.0, "optim.lr": 9.0}
     from pipeline.core.config import RunConfig
-    from tune.search_spaces import apply_point
+    from pipeline.core.options import apply_point
 
     apply_point(RunConfig(), {k: v for k, v in cfg.items() if k != "optim.lr"})  # valid
 

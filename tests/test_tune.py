@@ -15,13 +15,13 @@ import pytest
 from ray import tune as ray_tune
 
 from pipeline.core.config import RunConfig
+from pipeline.core.options import apply_point
 from tune import results, trial
 from tune.search_spaces import (
     METRIC,
     PAPER_ALPHAS,
     REPORTED_BESIDE,
     TIME_ATTR,
-    apply_point,
     get_space,
     load_space,
     sample_point,
@@ -274,7 +274,8 @@ def test_every_job_builds_a_trial_run_from_its_space(job, tmp_path):
     the parent run."""
 
     point = sample_point(get_space(job), seed=5)
-    mod, args, jr = trial.trial_run(point, job=job, job_argv=["--smoke-test"],
+    job_args = trial.parse_job_args(job, ["--smoke-test"])
+    mod, args, jr = trial.trial_run(point, job=job, job_args=job_args,
                                     sweep_dir=str(tmp_path), trial_id="abc_00001",
                                     tracking_uri=f"sqlite:///{tmp_path}/m.db",
                                     experiment="lccn-sweep-x", parent_run_id="p123")
@@ -293,7 +294,8 @@ def test_a_trial_is_warned_about_its_own_warm_up(tmp_path):
     """The warm-up warning speaks of the trial's δ (a swept field), not the job's."""
 
     def trial_log(point, *job_argv):
-        _, _, jr = trial.trial_run(point, job="cifar", job_argv=["--smoke-test", *job_argv],
+        job_args = trial.parse_job_args("cifar", ["--smoke-test", *job_argv])
+        _, _, jr = trial.trial_run(point, job="cifar", job_args=job_args,
                                    sweep_dir=str(tmp_path), trial_id="w_00001",
                                    tracking_uri=None, experiment="x", parent_run_id=None)
         return [line for line in jr.lines() if "warning: --warmup-steps" in line]

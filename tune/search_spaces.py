@@ -10,7 +10,7 @@ top-level RunConfig field) to a *spec*, JSON-able data:
 
 :func:`to_tune` turns a space into Ray Tune domains; :func:`load_space` reads one from a JSON
 file (``python -m tune.sweep --space FILE.json``). A sampled point is a dict with the same
-keys and plain values; :func:`apply_point` puts it into a RunConfig with
+keys and plain values; :func:`pipeline.core.options.apply_point` puts it into a RunConfig with
 ``dataclasses.replace``, so every point is checked by the dataclasses' own ``__post_init__``
 (e.g. ``alpha > 0``, ``0 < anneal_floor <= 1``) and an unknown key raises.
 
@@ -27,10 +27,10 @@ is the first phase's rate; the sweep scales the other phases with it.
 
 from __future__ import annotations
 
-import dataclasses
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from pipeline.core.config import RunConfig, scaled_lr_values  # noqa: F401 (re-exported)
 
@@ -181,39 +181,3 @@ def sample_point(space: Mapping[str, Any], *, seed: int) -> dict[str, Any]:
             value = dom
         point[key] = value.item() if hasattr(value, "item") else value
     return point
-
-
-def apply_point(run: RunConfig, point: Mapping[str, Any]) -> RunConfig:
-    """``run`` with the fields named in ``point`` replaced (``{"lccn.alpha": 0.5}`` sets
-    ``run.lccn.alpha``). Each nested frozen config is rebuilt with ``dataclasses.replace``, so
-    its ``__post_init__`` checks the new values.
-
-    Raises ValueError naming the key for an unknown section or field, or for a value the
-    config refuses.
-    """
-    top: dict[str, Any] = {}
-    nested: dict[str, dict[str, Any]] = {}
-    top_fields = {f.name for f in dataclasses.fields(run)}
-    for key, value in point.items():
-        section, _, name = key.rpartition(".")
-        if not section:
-            if key not in top_fields or dataclasses.is_dataclass(getattr(run, key)):
-                raise ValueError(f"search space key {key!r}: not a plain RunConfig field "
-                                 f"(fields: {sorted(top_fields)})")
-            top[key] = value
-            continue
-        sub = getattr(run, section, None) if "." not in section else None
-        if sub is None or not dataclasses.is_dataclass(sub):
-            raise ValueError(f"search space key {key!r}: RunConfig has no config section "
-                             f"{section!r}")
-        fields = {f.name for f in dataclasses.fields(sub)}
-        if name not in fields:
-            raise ValueError(f"search space key {key!r}: {type(sub).__name__} has no field "
-                             f"{name!r} (fields: {sorted(fields)})")
-        nested.setdefault(section, {})[name] = value
-    try:
-        for section, values in nested.items():
-            top[section] = dataclasses.replace(getattr(run, section), **values)
-        return dataclasses.replace(run, **top)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"sampled point {dict(point)} gives an invalid RunConfig: {e}") from e

@@ -41,6 +41,7 @@ lowers it). The trial driver asks for memory and no CPU, so that two workers fit
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import json
 import math
@@ -51,9 +52,10 @@ from typing import Any
 from ray.tune import Callback
 
 from pipeline.core.config import RunConfig
+from pipeline.core.options import apply_point
 from pipeline.dist.ray_train import release_orphaned_placement_groups
 from pipeline.track import plots
-from pipeline.track.tracking import Tracker, default_tracking_uri
+from pipeline.track.tracking import Tracker, add_tracking_options, tracking_uri_of
 from pipeline.train.methods import get_method
 from tune import pbt
 from tune.pbt import LOG_FILE as PBT_LOG_FILE
@@ -64,14 +66,13 @@ from tune.search_spaces import (
     REPORTED_BESIDE,
     SPACES,
     TIME_ATTR,
-    apply_point,
     get_space,
     load_space,
     sample_point,
     to_tune,
     with_alpha_grid,
 )
-from tune.trial import JOBS, job_module, run_trial
+from tune.trial import JOBS, parse_job_args, run_trial
 
 TRIAL_MEMORY = 256 * 1024**2  # bytes the trial driver reserves (it takes no CPU)
 PARENT_TAG = "sweep_role"  # tag of the parent run ("parent"); children carry mlflow.parentRunId
@@ -121,10 +122,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep-dir", type=Path, default=None,
                    help="absolute sweep folder (default $LCCN_RUNS/sweep, else ~/lccn_runs/sweep)")
     p.add_argument("--seed", type=int, default=0, help="seed of Tune's random search")
-    p.add_argument("--tracking-uri", default=None,
-                   help="MLflow URI (default $MLFLOW_TRACKING_URI, else "
-                        "sqlite:///<sweep-dir>/mlflow.db)")
-    p.add_argument("--no-tracking", action="store_true")
+    add_tracking_options(p, store="<sweep-dir>")
     p.add_argument("--smoke-test", action="store_true",
                    help="3 trials of the job's --smoke-test (2 CPU workers, 3 epochs)")
     p.add_argument("job_args", nargs="*",
@@ -170,7 +168,7 @@ def resolve_space(args: argparse.Namespace) -> dict[str, Any]:
         for point in edge_points(space):
             apply_point(RunConfig(), point)
     except ValueError as e:
-        raise SystemExit(f"error: --space {name}: {e}") from None
+        raise SystemExit(f"error: --space {name}: the point {point}: {e}") from None
     return space
 
 
@@ -391,9 +389,9 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
 
     args = get_args_parser().parse_args(argv)
     metric, mode = args.metric, RANKING[args.metric]
-    mod = job_module(args.job)
     job_argv = list(args.job_args) + (["--smoke-test"] if args.smoke_test else [])
-    probe = mod.get_args_parser().parse_args(job_argv)  # refuses a bad job option now
+    job_args = parse_job_args(args.job, job_argv)  # refuses a bad job option now
+    probe = copy.deepcopy(job_args)
     common.resolve_recipe(probe)  # the recipe of the job's dataset and method
     if probe.smoke_test:
         common.apply_smoke(probe)
@@ -419,7 +417,7 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
     name = args.name or f"sweep-{args.job}-{time.strftime('%Y%m%d-%H%M%S')}"
     sweep_dir = (args.sweep_dir or common.default_run_dir("sweep")).expanduser().resolve()
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    tracking = None if args.no_tracking else (args.tracking_uri or default_tracking_uri(sweep_dir))
+    tracking = tracking_uri_of(args, sweep_dir)
     experiment = f"lccn-sweep-{name}"
     exp_path = sweep_dir / "tune" / name
     restored = tune.Tuner.can_restore(str(exp_path))
@@ -440,7 +438,7 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
         if args.max_concurrent:
             concurrent = max(1, min(concurrent, args.max_concurrent))
         fn = functools.partial(pbt.run_trial if args.scheduler == "pbt" else run_trial,
-                               job=args.job, job_argv=job_argv,
+                               job=args.job, job_args=job_args,
                                sweep_dir=str(sweep_dir), tracking_uri=tracking,
                                experiment=experiment,
                                parent_run_id=tracker.run_id if tracker else None)

@@ -7,6 +7,8 @@ it imports neither.
 
 from __future__ import annotations
 
+import argparse
+import copy
 import dataclasses
 import importlib
 import json
@@ -14,8 +16,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pipeline.core.config import scaled_lr_values
+from pipeline.core.options import apply_point
 from tune.reporting import EpochReport
-from tune.search_spaces import apply_point, scaled_lr_values
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "jobs"))
@@ -36,22 +39,29 @@ def job_module(job: str):
     return importlib.import_module(JOBS[job])
 
 
-def trial_run(config: dict[str, Any], *, job: str, job_argv: list[str], sweep_dir: str,
-              trial_id: str, tracking_uri: str | None, experiment: str,
+def parse_job_args(job: str, argv: list[str]) -> argparse.Namespace:
+    """The options of ``job`` (its ``get_args_parser``) parsed once, by the sweep's driver;
+    every trial runs a copy of them (:func:`trial_run`)."""
+    return job_module(job).get_args_parser().parse_args(argv)
+
+
+def trial_run(config: dict[str, Any], *, job: str, job_args: argparse.Namespace,
+              sweep_dir: str, trial_id: str, tracking_uri: str | None, experiment: str,
               parent_run_id: str | None, run_name: str | None = None,
               extra_tags: list[tuple[str, str]] | None = None):
     """The run of one trial, built and not started: ``(module, args, JobRun)`` of ``job``
-    with ``config`` (a sampled point, keys like ``"lccn.alpha"``) applied to its RunConfig,
-    run dir ``<sweep_dir>/trials/<trial_id>``, run name ``run_name`` (default the trial id;
-    a PBT trial restarted from a checkpoint runs a new one) and the MLflow tags of a child
-    of ``parent_run_id`` (plus ``extra_tags``)."""
+    run with a copy of the parsed ``job_args`` (:func:`parse_job_args`) and ``config`` (a
+    sampled point, keys like ``"lccn.alpha"``) applied to its RunConfig, run dir
+    ``<sweep_dir>/trials/<trial_id>``, run name ``run_name`` (default the trial id; a PBT
+    trial restarted from a checkpoint runs a new one) and the MLflow tags of a child of
+    ``parent_run_id`` (plus ``extra_tags``)."""
     mod = job_module(job)
     import common
 
-    argv = list(job_argv) + ["--run-dir", str(Path(sweep_dir) / "trials" / trial_id),
-                             "--run-name", run_name or trial_id, "--experiment", experiment]
-    argv += ["--tracking-uri", tracking_uri] if tracking_uri else ["--no-tracking"]
-    args = mod.get_args_parser().parse_args(argv)
+    args = copy.deepcopy(job_args)
+    args.run_dir = Path(sweep_dir) / "trials" / trial_id
+    args.run_name, args.experiment = run_name or trial_id, experiment
+    args.tracking_uri, args.no_tracking = tracking_uri, tracking_uri is None
     jr = mod.prepare_run(args)
     run = apply_point(jr.run, config)
     dist = jr.dist

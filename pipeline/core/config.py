@@ -8,8 +8,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-METHODS = ("ce", "lccn", "dividemix", "divide_lccn", "bootstrap", "forward", "sadapt",
-           "trevision")
 DIVISION_LOSSES = ("lccn", "prediction")
 WARMUPS = ("eq8", "identity", "anchor")
 INITS = ("argmax", "observed")
@@ -51,6 +49,9 @@ class LCCNConfig:
         benchmarks/results/cifar.md). For noise that flips class pairs.
     anchor_quantile: the anchors of class k are the samples whose P(k | x) is at or above
         this quantile of P(k | ·) over the training split (0.97 as in Patrini et al.).
+    init: the initial assignment of z when the LCCN phase starts. ``"argmax"`` (default,
+        the paper): the pretrained classifier's arg max (through ``warmup_prior``);
+        ``"observed"``: the observed labels.
     targets: what the classifier regresses on. ``"posterior"`` (default): the Eq. 7
         conditional p(z_m = k | ...) itself, i.e. the expectation of the paper's loss on
         the sampled label over the Gibbs draw (Rao-Blackwellised: the same expected
@@ -75,7 +76,9 @@ class LCCNConfig:
     anneal: power annealing γ = max(exp(-anneal_rate * step / max_step), anneal_floor)
         (the paper's setting on Clothing1M/WebVision); off (γ = 1) by default, as on CIFAR.
     outlier: LCCN*, ``K_latent = K + 1`` with the last latent class = out of distribution.
-    outlier_prior, outlier_warmup: the outlier row's own warm-up (LCCN* only). Over the
+    outlier_prior, outlier_warmup: LCCN* only: the prior mass ε of the outlier class in
+        Eq. 7 over the first ``outlier_warmup`` fraction of the LCCN phase (0: off; 0.5 makes
+        the exported outlier flags fire, at some cost in accuracy). Over the
         first ``outlier_warmup`` fraction of the LCCN phase, Eq. 7 reads the classifier's
         probabilities as ``(1 - ε) P(· | x) + ε e_K`` with ``ε = outlier_prior``: the CE
         pre-training on K observed classes only ever pushes the outlier logit down, so
@@ -119,12 +122,12 @@ class LCCNConfig:
 
     alpha: float | tuple[float, ...] = 1.0
     warmup_steps: int = 0
-    warmup: str = "anchor"
+    warmup: str = field(default="anchor", metadata={"choices": WARMUPS})
     warmup_smoothing: float = 0.1
     anchor_quantile: float = 0.97
-    init: str = "argmax"
-    warmup_prior: str = "model"
-    targets: str = "posterior"
+    init: str = field(default="argmax", metadata={"choices": INITS})
+    warmup_prior: str = field(default="model", metadata={"choices": WARMUP_PRIORS})
+    targets: str = field(default="posterior", metadata={"choices": TARGETS})
     ramp_epochs: float = 1.0
     anneal: bool = False
     anneal_floor: float = 0.5
@@ -214,7 +217,7 @@ class BaselineConfig:
     """
 
     bootstrap_beta: float = 0.8
-    transition: str = "anchor"
+    transition: str = field(default="anchor", metadata={"choices": TRANSITIONS})
     transition_file: str | None = None
     anchor_quantile: float = 0.97
     revision_fraction: float = 0.5
@@ -243,6 +246,15 @@ class OptimConfig:
     ``pretrain_epochs`` train with plain cross-entropy on the observed labels (Algorithm 3,
     line 1) for every method.
 
+    epochs: total epochs of the run, the cross-entropy pre-training included.
+    pretrain_epochs: cross-entropy epochs on the observed labels before the method's noise
+        phase starts.
+    batch_size: the global batch (each of W workers takes ``batch_size / W``).
+    lr: the learning rate (of the first phase of a piecewise schedule).
+    momentum: SGD's momentum.
+    weight_decay: SGD's L2 penalty (see ``norm_weight_decay``).
+    milestones: epochs at which the learning rate is multiplied by ``lr_decay``.
+    lr_decay: the factor applied at each milestone.
     ema_decay: evaluate an exponential moving average of the weights (0: off, the live
         weights). After global step t the average moves toward the weights by
         ``1 - min(ema_decay, (1 + t) / (10 + t))`` (TensorFlow's ExponentialMovingAverage
@@ -304,6 +316,8 @@ def check_bn_momentum(momentum: float) -> float:
 class ModelConfig:
     """The classifier (:func:`pipeline.train.models.build_model`).
 
+    name: the backbone, a name :func:`pipeline.train.models.build_model` knows.
+    in_channels: image channels (3; 1 for grey digits).
     bn_momentum: momentum of the batch-norm layers' running statistics, in PyTorch's
         convention (the weight of the new batch). None keeps PyTorch's 0.1. The paper's
         CIFAR code (TensorFlow) keeps them with decay 0.997: ``bn_momentum = 0.003``.
@@ -375,7 +389,7 @@ class DivideConfig:
     lambda_u: float = 25.0
     rampup_epochs: float = 16.0
     conf_penalty: bool = False
-    division_loss: str = "lccn"
+    division_loss: str = field(default="lccn", metadata={"choices": DIVISION_LOSSES})
     gmm_seed: int = 0
 
     def __post_init__(self) -> None:
@@ -415,11 +429,11 @@ class PerfConfig:
         the crop/flip augmentation runs there.
     """
 
-    amp: str = "auto"
-    channels_last: str = "auto"
-    compile: str = "off"
-    cudnn_benchmark: str = "auto"
-    data_on_device: str = "auto"
+    amp: str = field(default="auto", metadata={"choices": AMPS})
+    channels_last: str = field(default="auto", metadata={"choices": SWITCHES})
+    compile: str = field(default="off", metadata={"choices": COMPILES})
+    cudnn_benchmark: str = field(default="auto", metadata={"choices": SWITCHES})
+    data_on_device: str = field(default="auto", metadata={"choices": SWITCHES})
 
     def __post_init__(self) -> None:
         if self.amp not in AMPS:
@@ -443,12 +457,15 @@ class PerfConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """What to run: ``method`` is one of :data:`METHODS`: ``"ce"`` (baseline), ``"lccn"``
+    """What to run: ``method`` names a registered method (the registry of
+    :mod:`pipeline.train.methods`, checked when the engine builds it): ``"ce"`` (baseline), ``"lccn"``
     (variants via LCCNConfig), ``"dividemix"`` or ``"divide_lccn"`` (two networks, via
     DivideConfig; DivideLCCN's chains take their sampler settings from LCCNConfig), or a
     classic baseline (``"bootstrap"``, ``"forward"``, ``"sadapt"``, ``"trevision"``; options
     in BaselineConfig).
 
+    seed: seeds the network's initialisation, the data order, the Gibbs chains and the
+    noisy validation split.
     val_fraction: the noisy validation split, carved from the training label view
     (stratified by observed label, fixed by ``seed``) and never trained on nor counted in
     C. Model selection uses accuracy against its *observed* labels (what a user has); the
@@ -470,8 +487,6 @@ class RunConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.val_fraction < 0.5:
             raise ValueError(f"val_fraction must lie in [0, 0.5), got {self.val_fraction}")
-        if self.method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
 
 
 T = TypeVar("T")

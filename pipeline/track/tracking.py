@@ -68,6 +68,25 @@ def default_tracking_uri(run_dir: str | os.PathLike) -> str:
     return f"sqlite:///{Path(run_dir).resolve() / 'mlflow.db'}"
 
 
+def add_tracking_options(parser: Any, *, store: str) -> None:
+    """``--tracking-uri`` and ``--no-tracking`` on ``parser`` (an argparse parser or group);
+    ``store`` names the folder of the default sqlite store in the help. Read them back with
+    :func:`tracking_uri_of`."""
+    parser.add_argument("--tracking-uri", default=None,
+                        help=f"MLflow tracking URI (default $MLFLOW_TRACKING_URI, else "
+                             f"sqlite:///{store}/mlflow.db)")
+    parser.add_argument("--no-tracking", action="store_true", help="do not log to MLflow")
+
+
+def tracking_uri_of(args: Any, run_dir: str | os.PathLike) -> str | None:
+    """The tracking URI the options of :func:`add_tracking_options` ask for: None with
+    ``--no-tracking``, else ``--tracking-uri`` or :func:`default_tracking_uri` of
+    ``run_dir``."""
+    if args.no_tracking:
+        return None
+    return args.tracking_uri or default_tracking_uri(run_dir)
+
+
 def flatten_params(params: Mapping[str, Any] | Any, *, sep: str = ".") -> dict[str, str]:
     """Nested dicts (e.g. ``dataclasses.asdict`` of a RunConfig) or dataclass instances to
     ``{"lccn.alpha": "1.0", ...}``: keys joined by ``sep``, values stringified (tuples and
