@@ -376,7 +376,7 @@ def test_noisy_validation_split_of_a_distributed_run(digits, tmp_path, one_threa
     counted in val_held_out), and scored every epoch against the observed labels."""
     from pipeline.core.labels import LabelView
     from pipeline.data.stream import LoaderConfig, make_eval_loader
-    from pipeline.train import methods
+    from pipeline.train import engine
     from pipeline.train.checkpoints import load_state
     from pipeline.train.models import build_model
     from pipeline.train.trainer import LocalTrainer, TensorData
@@ -399,16 +399,16 @@ def test_noisy_validation_split_of_a_distributed_run(digits, tmp_path, one_threa
     assert counted is not None and torch.equal(counted, torch.from_numpy(~mask))
 
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # (idx, valid) of every training batch
-    real = methods.lccn.train_one_epoch
+    real = engine.run_pass
 
-    def recording(model, batches, *args, **kwargs):
+    def recording(task, batches, **kwargs):
         def each():
             for b in batches:
                 seen.append((b.idx.clone(), b.valid.clone()))
                 yield b
-        return real(model, each(), *args, **kwargs)
+        return real(task, each(), **kwargs)
 
-    monkeypatch.setattr(methods.lccn, "train_one_epoch", recording)
+    monkeypatch.setattr(engine, "run_pass", recording)
     store = StoreActor(torch.from_numpy(view.observed), z0, 10, 10, counted=counted)
     session = LocalSession(tmp_path / "ckpt")
     rows = run_worker(run, dist, view, LocalStoreClient(store), session)

@@ -28,8 +28,10 @@ What is trained, and how, is the *method* (:mod:`pipeline.train.methods`), chose
         pass = data.train_batches(epoch, start_batch)     held-out idx skipped and counted
         method.start_noise_phase(epoch)        once, at the first noise-handling epoch
         method.begin_epoch(epoch, pass.steps_per_epoch)
-        stats = method.train_epoch(epoch, pass, after_step)     after_step: global step,
-                                               mid-epoch checkpoints, injected faults
+        stats = run_pass(method.train_task(epoch), pass, after_step)   the one batch loop;
+                                               after_step: global step, mid-epoch
+                                               checkpoints, injected faults
+        method.end_pass(epoch)
         schedulers step; row = stats averaged over ranks + val_top1 + test + data counters
         moment(): method.flush(), barrier, rank 0 reads the chain state, method.end_epoch
                   (health, monitor), checkpoint, MLflow, report
@@ -73,6 +75,7 @@ from pipeline.train.checkpoints import (
     last_lr,
 )
 from pipeline.train.fastpath import configure_backends, wrap_model
+from pipeline.train.loop import run_pass
 from pipeline.train.members import Member, ema_decay_at, make_scheduler, param_groups
 from pipeline.train.methods import get_method
 from pipeline.train.models import build_model
@@ -435,7 +438,9 @@ class Engine:
             if self.options.after_step is not None:
                 self.options.after_step(self.global_step)
 
-        stats = method.train_epoch(epoch, train_pass, after_step)
+        stats = run_pass(method.train_task(epoch), train_pass, device=self.device,
+                         after_step=after_step)
+        method.end_pass(epoch)
         lr = self.members[0].optimizer.param_groups[0]["lr"]  # this epoch's, not the next's
         for m in self.members:
             m.scheduler.step()

@@ -1,12 +1,34 @@
-"""``train_one_epoch`` and ``evaluate``: they return dicts of plain floats and never log or
-save; the caller does. A batch is anything with fields ``images (B,C,H,W)``,
-``observed (B,)``, ``idx (B,)``, ``clean (B,)`` (-1 unknown, K outlier) and ``valid (B,) bool``.
+"""The one batch loop of every method (:func:`run_pass`), its single-network task
+(:class:`LabelTask`: CE, the classic baselines' losses, LCCN's Gibbs-sampled labels), and
+``predict`` / ``evaluate``. They return dicts of plain floats and never log or save; the
+caller does. A batch is anything with fields ``images (B,C,H,W)``, ``observed (B,)``,
+``idx (B,)``, ``clean (B,)`` (-1 unknown, K outlier) and ``valid (B,) bool``.
+
+A method says what one training pass does to a batch with a :class:`Task`; the loop owns
+the rest, identically for every method::
+
+    task.begin()
+    for every batch (and the next one, for prefetching):
+        images, the loop's rows (clean, valid) and the task's (Task.rows) to the device,
+        in one copy
+        for each network k (Task.optimizers, in order; DivideMix and DivideLCCN: two):
+            loss, target = task.forward(k, StepInput)     forward and loss: the method's
+            zero_grad; loss.backward(); task.before_step(k); optimizer.step()
+            task.after_step(k, ...)                       LCCN: commit the sampled labels
+        after_step()                                      the engine's global step
+        statistics: the loss, label recovery of network 0's target, images/s
+    task.end()                                            flush; the task's own statistics
+
+AMP, channels-last and compile live in the networks the task calls (the members' wrapped
+modules, :mod:`pipeline.train.fastpath`); evaluation is :func:`evaluate` (a method with two
+networks overrides it to rank by both).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,6 +52,232 @@ def _lookahead(batches: Iterable[Any]) -> Iterator[tuple[Any, Any | None]]:
     yield cur, None
 
 
+@dataclass
+class StepInput:
+    """What :meth:`Task.forward` gets for one batch: the host ``batch``, its ``images``,
+    ``valid (B,) bool`` and the task's :meth:`Task.rows` (``rows``) on the device, the next
+    batch ``nxt`` (None at the last) and ``index``, the batch's position in its epoch (a
+    pass resumed mid-epoch starts at its ``start_batch``)."""
+
+    batch: Any
+    images: Tensor
+    valid: Tensor
+    rows: list[Tensor]
+    nxt: Any | None
+    index: int
+
+
+class Task:
+    """One training pass of a method, as the loop (:func:`run_pass`) sees it.
+
+    optimizers: one per network, stepped in this order on every batch.
+    known_below: label recovery counts the rows whose clean label is in
+        ``[0, known_below)`` (None: every known clean label).
+    """
+
+    optimizers: Sequence[torch.optim.Optimizer] = ()
+    known_below: int | None = None
+
+    def begin(self) -> None:
+        """The pass starts."""
+
+    def rows(self, batch: Any) -> tuple[Tensor, ...]:
+        """Host ``(B,)`` integer or bool tensors the task wants on the device with the
+        loop's own, in the same copy (:func:`pipeline.train.fastpath.to_device`)."""
+        return ()
+
+    def forward(self, k: int, step: StepInput) -> tuple[Tensor, Tensor | None]:
+        """Network k's loss on the batch (0-d, to backpropagate) and its training target's
+        class per row ``(B,)`` on the device (label recovery; None: not counted)."""
+        raise NotImplementedError
+
+    def before_step(self, k: int) -> None:
+        """Between network k's backward and its optimiser step (a method's own parameters
+        outside DDP: all-reduce their gradients)."""
+
+    def after_step(self, k: int, step: StepInput) -> None:
+        """After network k's optimiser step."""
+
+    def end(self) -> dict[str, float]:
+        """Finish the pass's asynchronous work; the task's statistics among ``changed``,
+        ``staleness`` (per-step means), ``gamma`` (the last), ``sampler_time`` and
+        ``sync_time`` (seconds, totals over the pass)."""
+        return {}
+
+
+def run_pass(task: Task, batches: Iterable[Any], *, device: torch.device | str = "cpu",
+             after_step: Callable[[], None] | None = None) -> dict[str, float]:
+    """One pass of ``task`` over ``batches`` (see the module doc). Returns loss (the mean
+    over valid samples, averaged over the networks), label_recovery (network 0's target ==
+    clean where the clean label is known), changed, staleness, gamma, step_time,
+    sampler_time, sync_time (per step), sampler_share (of the pass's time), images_per_s
+    and steps.
+
+    On an accelerator the loop never waits for the device: the per-step figures accumulate
+    on the device and are read once, at the end of the pass.
+    """
+    dev = torch.device(device)
+    zero = torch.zeros((), dtype=torch.float64, device=dev)
+    loss_sum, recovered = zero.clone(), zero.clone()
+    n = known_n = steps = 0
+    nets = len(task.optimizers)
+    t_start = time.perf_counter()
+    task.begin()
+    first = getattr(batches, "start_batch", 0)  # a pass resumed mid-epoch
+    for index, (batch, nxt) in enumerate(_lookahead(batches), start=first):
+        images = batch.images.to(dev, non_blocking=True)
+        clean, valid = batch.clean, batch.valid
+        known = valid & (clean >= 0)
+        if task.known_below is not None:
+            known &= clean < task.known_below
+        clean_d, valid_d, known_d, *rows = to_device((clean, valid, known,
+                                                      *task.rows(batch)), dev)
+        step = StepInput(batch, images, valid_d, rows, nxt, index)
+        nvalid = int(valid.sum())
+        for k, optimizer in enumerate(task.optimizers):
+            loss, target = task.forward(k, step)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            task.before_step(k)
+            optimizer.step()
+            task.after_step(k, step)
+            loss_sum += loss.detach() * nvalid if nets == 1 else loss.detach() * nvalid / nets
+            if k == 0 and target is not None:
+                recovered += ((target == clean_d) & known_d).sum()
+        if after_step is not None:
+            after_step()
+        n += nvalid
+        known_n += int(known.sum())
+        steps += 1
+    own = task.end()
+    host = {"loss": float(loss_sum), "recovered": float(recovered)}  # the one device read
+    elapsed = time.perf_counter() - t_start
+    per = max(steps, 1)
+    sampler, sync = own.get("sampler_time", 0.0), own.get("sync_time", 0.0)
+    return {
+        "loss": host["loss"] / max(n, 1),
+        "label_recovery": host["recovered"] / known_n if known_n else float("nan"),
+        "changed": float(own.get("changed", 0.0)),
+        "staleness": float(own.get("staleness", 0.0)),
+        "gamma": float(own.get("gamma", 1.0)),
+        "step_time": elapsed / per,
+        "sampler_time": sampler / per,
+        "sync_time": sync / per,
+        "sampler_share": (sampler + sync) / elapsed if elapsed > 0 else 0.0,
+        "images_per_s": n / elapsed if elapsed > 0 else 0.0,
+        "steps": float(steps),
+    }
+
+
+class LabelTask(Task):
+    """One network trained toward one label per sample.
+
+    labeler None: cross-entropy on the observed labels (CE; trusted samples, if a
+    ``trusted (N,) bool`` lookup is given, train on their clean label), or
+    ``loss_fn(logits, labels, weight)`` on them (a baseline's loss; ``weight (B,)`` float
+    is 0 at padding); ``before_step()`` runs between backward and the optimiser step.
+    Otherwise LCCN: forward -> Gibbs-sample z (Eq. 7) -> ξ-clipped CE on z (or, with
+    ``targets="posterior"``, on the Eq. 7 conditional z was drawn from; ``"map"``: its arg
+    max), the observed label's CE mixed in while the labeler's ramp is below 1 -> backward
+    -> optimiser step -> commit z (async; the store's reply is awaited by the next sample);
+    ``observe(idx (B,), posterior (B, K_latent), valid (B,) bool)`` sees the Eq. 7
+    conditional of every batch (LCCN*'s p(outlier) average, the label-issue report).
+
+    On an accelerator z goes to the host through a pinned buffer whose copy is enqueued
+    right after sampling and awaited only after backward and the optimiser step are
+    enqueued, so the device stays busy.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                 labeler: GibbsLabeler | None = None, trusted: Tensor | None = None,
+                 xi: float = 1e-20, known_below: int | None = None,
+                 loss_fn: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
+                 before_step: Callable[[], None] | None = None,
+                 observe: Callable[[Tensor, Tensor, Tensor], None] | None = None) -> None:
+        self.model, self.optimizers = model, (optimizer,)
+        self.labeler, self.trusted, self.xi = labeler, trusted, xi
+        self.known_below = known_below
+        self.loss_fn, self._before_step, self.observe = loss_fn, before_step, observe
+        self.stage = HostStage()
+
+    def begin(self) -> None:
+        self.model.train()
+        self.steps = 0
+        self.changed: Tensor | None = None  # summed on the device, read once in end()
+        self.staleness = self.sampler = self.sync = 0.0
+        self.gamma = 1.0
+
+    def rows(self, batch: Any) -> tuple[Tensor, ...]:
+        observed = batch.observed
+        if self.trusted is None:
+            return (observed,)
+        return (torch.where(self.trusted[batch.idx], batch.clean, observed),)
+
+    def forward(self, k: int, step: StepInput) -> tuple[Tensor, Tensor]:
+        b, (labels_d,) = step.batch, step.rows
+        lab = self.labeler
+        if lab is not None and self.steps == 0:
+            lab.prefetch(b.idx)
+        self.steps += 1
+        logits = self.model(step.images)
+        w = step.valid.to(torch.float32)
+        if lab is None:
+            if self.loss_fn is not None:
+                return self.loss_fn(logits, labels_d, w), labels_d
+            return clipped_cross_entropy(logits, labels_d, xi=self.xi, weight=w), labels_d
+        t0 = time.perf_counter()
+        probs = torch.softmax(logits.detach().float(), dim=1)
+        z, stats = lab.sample(probs, b.observed, b.idx)
+        self.sampler += time.perf_counter() - t0 - stats.wait
+        self.sync += stats.wait
+        if self.observe is not None:
+            self.observe(b.idx, stats.posterior, b.valid)
+        target = z if lab.cfg.targets != "map" else stats.posterior.argmax(1)
+        target = target.to(step.images.device, non_blocking=True)
+        self.stage.put(z)  # to the host for the commit, without waiting for it here
+        if self.changed is None:
+            self.changed = torch.zeros((), dtype=torch.float64, device=step.images.device)
+        self.changed += stats.changed
+        self.staleness += stats.staleness
+        self.gamma = stats.gamma
+        if lab.cfg.targets == "posterior":
+            loss = soft_cross_entropy(logits, stats.posterior.to(step.images.device), xi=self.xi,
+                                      weight=w)
+        else:
+            loss = clipped_cross_entropy(logits, target, xi=self.xi, weight=w)
+        if stats.ramp < 1.0:
+            # the LCCN target's weight ramps up from 0: a weak pretrained classifier keeps
+            # learning from the observed labels while its own posterior is still poor
+            loss = stats.ramp * loss + (1.0 - stats.ramp) * clipped_cross_entropy(
+                logits, labels_d, xi=self.xi, weight=w)
+        return loss, target
+
+    def before_step(self, k: int) -> None:
+        if self._before_step is not None:
+            self._before_step()
+
+    def after_step(self, k: int, step: StepInput) -> None:
+        if self.labeler is None:
+            return
+        # send the labels now: the round trip overlaps the next forward; the reply is
+        # awaited by the next sample()
+        t0 = time.perf_counter()
+        b, nxt = step.batch, step.nxt
+        z_host = self.stage.get()
+        self.labeler.commit(b.idx[b.valid], z_host[b.valid], nxt.idx if nxt is not None else None)
+        self.sync += time.perf_counter() - t0
+
+    def end(self) -> dict[str, float]:
+        if self.labeler is None:
+            return {}
+        self.sync += self.labeler.flush()
+        per = max(self.steps, 1)
+        changed = 0.0 if self.changed is None else float(self.changed)
+        return {"changed": changed / per, "staleness": self.staleness / per,
+                "gamma": float(self.gamma), "sampler_time": self.sampler,
+                "sync_time": self.sync}
+
+
 def train_one_epoch(model: nn.Module, batches: Iterable[Any], optimizer: torch.optim.Optimizer, *,
                     labeler: GibbsLabeler | None = None, trusted: Tensor | None = None,
                     xi: float = 1e-20, device: torch.device | str = "cpu",
@@ -39,113 +287,13 @@ def train_one_epoch(model: nn.Module, batches: Iterable[Any], optimizer: torch.o
                     before_step: Callable[[], None] | None = None,
                     observe: Callable[[Tensor, Tensor, Tensor], None] | None = None
                     ) -> dict[str, float]:
-    """One pass over ``batches``.
-
-    labeler None: cross-entropy on the observed labels (CE; trusted samples, if a
-    ``trusted (N,) bool`` lookup is given, train on their clean label), or
-    ``loss_fn(logits, labels, weight)`` on them (a baseline's loss; ``weight (B,)`` float
-    is 0 at padding). ``before_step()`` runs between backward and the optimiser step (a
-    method's own parameters outside DDP: all-reduce their gradients). Otherwise LCCN:
-    forward -> Gibbs-sample z (Eq. 7) -> ξ-clipped CE on z (or, with
-    ``targets="posterior"``, on the Eq. 7 conditional z was drawn from) -> backward ->
-    optimiser step -> commit z (async; the store's reply is awaited by the next sample);
-    ``observe(idx (B,), posterior (B, K_latent), valid (B,) bool)`` sees the Eq. 7
-    conditional of every batch (LCCN*'s p(outlier) average).
-    Returns loss, label_recovery (sampled z == clean where the clean label is known),
-    changed (fraction of z that moved), staleness, gamma, step_time, sampler_time,
-    sampler_share, sync_time, images_per_s, steps.
-
-    On an accelerator the step never waits for the device except where the store needs the
-    sampled labels: z goes to the host through a pinned buffer whose copy is enqueued right
-    after sampling and awaited only after backward and the optimiser step are enqueued, so
-    the device stays busy; the per-step figures accumulate on the device and are read once,
-    at the end of the epoch.
-    """
-    model.train()
-    dev = torch.device(device)
-    zero = torch.zeros((), dtype=torch.float64, device=dev)
-    acc = {"loss": zero.clone(), "recovered": zero.clone(), "changed": zero.clone()}
-    tot = {"n": 0, "known": 0, "staleness": 0.0, "sampler": 0.0, "sync": 0.0, "steps": 0,
-           "gamma": 1.0}
-    stage = HostStage()
-    t_start = time.perf_counter()
-    for batch, nxt in _lookahead(batches):
-        images = batch.images.to(dev, non_blocking=True)
-        observed, idx, clean, valid = batch.observed, batch.idx, batch.clean, batch.valid
-        labels = observed if trusted is None else torch.where(trusted[idx], clean, observed)
-        known = valid & (clean >= 0)
-        if num_classes is not None:
-            known &= clean <= num_classes
-        labels_d, clean_d, valid_d, known_d = to_device((labels, clean, valid, known), dev)
-        if labeler is not None and tot["steps"] == 0:
-            labeler.prefetch(idx)
-        logits = model(images)
-        if labeler is not None:
-            t0 = time.perf_counter()
-            probs = torch.softmax(logits.detach().float(), dim=1)
-            z, stats = labeler.sample(probs, observed, idx)
-            tot["sampler"] += time.perf_counter() - t0 - stats.wait
-            tot["sync"] += stats.wait
-            if observe is not None:
-                observe(idx, stats.posterior, valid)
-            target = z if labeler.cfg.targets != "map" else stats.posterior.argmax(1)
-            target = target.to(dev, non_blocking=True)
-            stage.put(z)  # to the host for the commit, without waiting for it here
-            acc["changed"] += stats.changed
-            tot["staleness"] += stats.staleness
-            tot["gamma"] = stats.gamma
-        else:
-            target = labels_d
-        w = valid_d.to(torch.float32)
-        if labeler is not None and labeler.cfg.targets == "posterior":
-            loss = soft_cross_entropy(logits, stats.posterior.to(dev), xi=xi, weight=w)
-        elif labeler is None and loss_fn is not None:
-            loss = loss_fn(logits, target, w)
-        else:
-            loss = clipped_cross_entropy(logits, target, xi=xi, weight=w)
-        if labeler is not None and stats.ramp < 1.0:
-            # the LCCN target's weight ramps up from 0: a weak pretrained classifier keeps
-            # learning from the observed labels while its own posterior is still poor
-            loss = stats.ramp * loss + (1.0 - stats.ramp) * clipped_cross_entropy(
-                logits, labels_d, xi=xi, weight=w)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if before_step is not None:
-            before_step()
-        optimizer.step()
-        if labeler is not None:
-            # send the labels now: the round trip overlaps the next forward; the reply is
-            # awaited by the next sample()
-            t0 = time.perf_counter()
-            z_host = stage.get()
-            labeler.commit(idx[valid], z_host[valid], nxt.idx if nxt is not None else None)
-            tot["sync"] += time.perf_counter() - t0
-        if after_step is not None:
-            after_step()
-        nvalid = int(valid.sum())
-        acc["loss"] += loss.detach() * nvalid
-        tot["n"] += nvalid
-        tot["known"] += int(known.sum())
-        acc["recovered"] += ((target == clean_d) & known_d).sum()
-        tot["steps"] += 1
-    if labeler is not None:
-        tot["sync"] += labeler.flush()
-    host = {k: float(v) for k, v in acc.items()}  # the epoch's one read of device figures
-    elapsed = time.perf_counter() - t_start
-    steps = max(tot["steps"], 1)
-    return {
-        "loss": host["loss"] / max(tot["n"], 1),
-        "label_recovery": host["recovered"] / tot["known"] if tot["known"] else float("nan"),
-        "changed": host["changed"] / steps,
-        "staleness": tot["staleness"] / steps,
-        "gamma": float(tot["gamma"]),
-        "step_time": elapsed / steps,
-        "sampler_time": tot["sampler"] / steps,
-        "sync_time": tot["sync"] / steps,
-        "sampler_share": (tot["sampler"] + tot["sync"]) / elapsed if elapsed > 0 else 0.0,
-        "images_per_s": tot["n"] / elapsed if elapsed > 0 else 0.0,
-        "steps": float(tot["steps"]),
-    }
+    """One pass of a :class:`LabelTask` over ``batches`` (:func:`run_pass`): a single
+    network outside a method (the step benchmarks). ``num_classes``: label recovery counts
+    clean labels in ``[0, K]`` (the outlier class K included)."""
+    task = LabelTask(model, optimizer, labeler=labeler, trusted=trusted, xi=xi,
+                     known_below=None if num_classes is None else num_classes + 1,
+                     loss_fn=loss_fn, before_step=before_step, observe=observe)
+    return run_pass(task, batches, device=device, after_step=after_step)
 
 
 @torch.no_grad()

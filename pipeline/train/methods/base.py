@@ -1,8 +1,11 @@
 """The method interface and the registry.
 
-A method says what is trained and how; the engine (:mod:`pipeline.train.engine`) owns the loop,
-the data, the session (rank, collectives, checkpoints, reports) and the chain backend, and
-calls the method at fixed points of every epoch::
+A method says what is trained and how; the engine (:mod:`pipeline.train.engine`) owns the
+epochs, the data, the session (rank, collectives, checkpoints, reports) and the chain
+backend, and the batch loop (:func:`pipeline.train.loop.run_pass`) owns each pass: forward
+and loss come from the method's :class:`~pipeline.train.loop.Task`, backward, the optimiser
+steps and the statistics are the loop's, for every method alike. The engine calls the
+method at fixed points of every epoch::
 
     build_members()                  the networks, optimizers and schedulers (a list: two
                                      networks fit); num_outputs() logits each
@@ -13,9 +16,10 @@ calls the method at fixed points of every epoch::
     train_views(epoch)               augmented views per image in this epoch's training
                                      pass (2: DivideMix's batches carry images2)
     begin_epoch(epoch, steps)        per-epoch set-up (steps: batches per rank this epoch)
-    train_epoch(epoch, batches, after_step)   every batch: targets, loss, backward, step;
-                                     call after_step() after each optimiser step; returns
-                                     the epoch's stats (the keys of pipeline.train.loop)
+    train_task(epoch)                the Task of this epoch's training pass: per batch and
+                                     network, forward and loss (LCCN: the Gibbs draw and
+                                     its commit as hooks of the step); run by run_pass
+    end_pass(epoch)                  after the pass (LCCN: its posterior windows)
     flush()                          finish asynchronous work before a consistent moment
     observe_chain(state, epoch, row) rank 0, at a checkpoint: metrics from the chain state
                                      (row given at an epoch end: health, monitor)
@@ -35,13 +39,13 @@ Every method runs on every rank; collectives (``engine.session``, ``engine.reduc
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from torch import Tensor, nn
 
 from pipeline.core.config import RunConfig
-from pipeline.train.loop import evaluate
+from pipeline.train.loop import LabelTask, Task, evaluate
 
 _REGISTRY: dict[str, type["Method"]] = {}
 
@@ -111,9 +115,15 @@ class Method:
     def begin_epoch(self, epoch: int, steps_per_epoch: int) -> None:
         pass
 
-    def train_epoch(self, epoch: int, batches: Iterable[Any],
-                    after_step: Callable[[], None]) -> dict[str, float]:
-        raise NotImplementedError
+    def train_task(self, epoch: int) -> Task:
+        """The training pass of ``epoch`` as the loop runs it (by default cross-entropy of
+        network 0 on the observed labels)."""
+        m = self.members[0]
+        return LabelTask(m.train_model, m.optimizer, xi=self.run.lccn.xi,
+                         known_below=self.num_classes + 1)
+
+    def end_pass(self, epoch: int) -> None:
+        """After the training pass of ``epoch`` (every rank; collectives allowed)."""
 
     def flush(self) -> None:
         pass

@@ -12,15 +12,14 @@ each optimiser step: every rank keeps the same transition).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
 
 from pipeline.core.baselines import forward_transition
 from pipeline.core.confusion import transition_error
-from pipeline.train.loop import predict, train_one_epoch
+from pipeline.train.loop import LabelTask, Task, predict
 from pipeline.train.methods.base import Method
 
 
@@ -85,15 +84,12 @@ class BaselineMethod(Method):
 
     # -- the engine's hooks ---------------------------------------------------------------------
 
-    def train_epoch(self, epoch: int, batches: Iterable[Any],
-                    after_step: Callable[[], None]) -> dict[str, float]:
-        m = self.members[0]
+    def train_task(self, epoch: int) -> Task:
         noise = self.in_noise_phase(epoch)
-        return train_one_epoch(m.train_model, batches, self.optimizer(epoch), labeler=None,
-                               trusted=None, xi=self.run.lccn.xi, device=self.engine.device,
-                               num_classes=self.num_classes, after_step=after_step,
-                               loss_fn=self.loss if noise else None,
-                               before_step=self.before_step if noise else None)
+        return LabelTask(self.members[0].train_model, self.optimizer(epoch),
+                         xi=self.run.lccn.xi, known_below=self.num_classes + 1,
+                         loss_fn=self.loss if noise else None,
+                         before_step=self.before_step if noise else None)
 
     def transition_rank_gap(self) -> float:
         """Largest ``|T_rank - T_rank0|`` over ranks (0: every rank trains with the same

@@ -7,8 +7,9 @@ both networks, the warm-up)::
     begin_epoch:  a per-sample loss pass over the whole training split (eval mode, both
                   networks; every rank its share, gathered by idx: every idx exactly once)
                   -> co_divide per network (GMM, p_threshold)
-    train_epoch:  every batch of the pass (two augmented views per image), for network k
-                  in (0, 1), with o = 1 - k:
+    train_task:   every batch of the pass (two augmented views per image), for network k
+                  in (0, 1), with o = 1 - k (the loop, pipeline.train.loop.run_pass, runs
+                  backward and the optimiser step of each network in turn):
                     labelled   = rows that network o's division calls clean (w = p(clean))
                     unlabelled = the other rows
                     targets    labelled: co-refine with w and network k's prediction
@@ -32,8 +33,7 @@ transition with ``LCCNConfig.refresh_steps`` > 1).
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -61,7 +61,7 @@ from pipeline.core.divide import (
 from pipeline.core.monitor import CollapseMonitor, chain_health
 from pipeline.core.posterior import STATE_KEY
 from pipeline.core.warmup import estimate_phi_init, initial_latents
-from pipeline.train.loop import _lookahead, noisy_nll_sum, predict
+from pipeline.train.loop import StepInput, Task, noisy_nll_sum, predict
 from pipeline.train.methods.base import Method, register
 from pipeline.train.report import accumulator_for, finish_epoch
 from pipeline.train.session import all_gather_rows
@@ -180,57 +180,27 @@ class DivideMix(Method):
 
     # -- training -------------------------------------------------------------------------------
 
-    def train_epoch(self, epoch: int, batches: Iterable[Any],
-                    after_step: Callable[[], None]) -> dict[str, float]:
+    def train_task(self, epoch: int) -> Task:
+        """Both networks on every batch: the CE warm-up before the noise phase, then
+        co-refinement, co-guessing and MixMatch (:meth:`_forward`)."""
         if not self.in_noise_phase(epoch):
             self._division_stats = {}
-            return self._warmup_epoch(batches, after_step)
-        return self._divide_epoch(epoch, batches, after_step)
+            return _WarmupTask(self)
+        return _DivideTask(self, epoch)
 
-    def _warmup_epoch(self, batches: Iterable[Any], after_step: Callable[[], None]
-                      ) -> dict[str, float]:
-        """Cross-entropy on the observed labels for both networks on every batch (plus the
-        negative-entropy penalty with ``DivideConfig.conf_penalty``)."""
-        dev = self.engine.device
-        acc = _Acc()
-        for b in batches:
-            x = b.images.to(dev, non_blocking=True)
-            y = b.observed.to(dev, non_blocking=True)
-            valid = b.valid.to(dev, non_blocking=True).float()
-            nvalid = max(float(b.valid.sum()), 1.0)
-            for m in self.members:
-                m.model.train()
-                logits = m.train_model(x).float()
-                loss = (F.cross_entropy(logits, y, reduction="none") * valid).sum() / nvalid
-                if self.cfg.conf_penalty:  # over the real rows only, as the loss
-                    loss = loss + conf_penalty(logits, weight=valid)
-                m.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                m.optimizer.step()
-                acc.loss += loss.detach() * float(b.valid.sum()) / len(self.members)
-            after_step()
-            acc.batch(b, b.observed, self.num_classes)
-        return acc.stats()
-
-    def _divide_epoch(self, epoch: int, batches: Iterable[Any],
-                      after_step: Callable[[], None]) -> dict[str, float]:
-        acc = _Acc()
-        self._begin_chain_pass()
-        first = getattr(batches, "start_batch", 0)  # a pass resumed mid-epoch
-        for bi, (b, nxt) in enumerate(_lookahead(batches), start=first):
-            frac = epoch + bi / self._steps
-            targets = []
-            for k in range(len(self.members)):
-                loss, target = self._step(k, b, nxt, frac)
-                acc.loss += loss * float(b.valid.sum()) / len(self.members)
-                targets.append(target)
-            after_step()
-            # label_recovery: the argmax of network 0's training target (co-refined or
-            # co-guessed) against the clean label
-            acc.batch(b, targets[0], self.num_classes)
-        stats = acc.stats()
-        stats["changed"] = self._chain_changed()
-        return stats
+    def _warmup_forward(self, k: int, step: StepInput) -> tuple[Tensor, Tensor]:
+        """Cross-entropy on the observed labels of network k (plus the negative-entropy
+        penalty with ``DivideConfig.conf_penalty``); the target is the observed label."""
+        (y,) = step.rows
+        valid = step.valid.float()
+        nvalid = max(float(step.batch.valid.sum()), 1.0)
+        m = self.members[k]
+        m.model.train()
+        logits = m.train_model(step.images).float()
+        loss = (F.cross_entropy(logits, y, reduction="none") * valid).sum() / nvalid
+        if self.cfg.conf_penalty:  # over the real rows only, as the loss
+            loss = loss + conf_penalty(logits, weight=valid)
+        return loss, y
 
     def _begin_chain_pass(self) -> None:
         """Hook: DivideLCCN starts its labelers' pass."""
@@ -249,9 +219,10 @@ class DivideMix(Method):
         onehot = F.one_hot(b.observed.to(dev)[lab], self.num_classes)
         return co_refine(onehot, p_bar[lab], w.to(dev)[lab], self.cfg.temperature)
 
-    def _step(self, k: int, b: Any, nxt: Any | None, frac: float) -> tuple[Tensor, Tensor]:
-        """One optimiser step of network k on batch ``b``; returns the loss (0-d, detached)
-        and the training target's class per row ``(B,)`` (-1 for padding rows)."""
+    def _forward(self, k: int, step: StepInput, frac: float) -> tuple[Tensor, Tensor]:
+        """Network k's loss on batch ``step.batch`` at fractional epoch ``frac`` and the
+        training target's class per row ``(B,)`` (-1 for padding rows)."""
+        b, nxt = step.batch, step.nxt
         eng, cfg = self.engine, self.cfg
         dev = eng.device
         own, other = self.members[k], self.members[1 - k]
@@ -263,7 +234,7 @@ class DivideMix(Method):
             labelled = labelled.clone()
             labelled[0] = True
         lab, unl = labelled.to(dev), unlabelled.to(dev)
-        x1, x2 = self._input(b.images), self._input(b.images2)
+        x1, x2 = self._input(step.images), self._input(b.images2)
         n = x1.shape[0]
         with torch.no_grad():
             # eval_model: the same fast paths without DDP; the mode is the module's
@@ -309,14 +280,11 @@ class DivideMix(Method):
             loss = lx + lam * lu + uniform_prior_penalty(logits)
         if dummy or (cfg.lambda_u == 0 and not nl):  # nothing to learn: every rank steps
             loss = loss * 0.0
-        own.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        own.optimizer.step()
         target = torch.full((n,), -1, dtype=torch.int64, device=dev)
         if not dummy:
             target[lab] = t_l.argmax(1)
             target[unl] = t_u.argmax(1)
-        return loss.detach(), target
+        return loss, target
 
     def _input(self, images: Tensor) -> Tensor:
         """Images on the device as float network inputs: uint8 batches (a CUDA worker's
@@ -376,34 +344,39 @@ class DivideMix(Method):
                 "n": float(total)}
 
 
-class _Acc:
-    """An epoch's running figures in the metric names of :mod:`pipeline.train.loop`."""
+class _WarmupTask(Task):
+    """DivideMix's warm-up pass: each network's cross-entropy in turn on every batch."""
 
-    def __init__(self) -> None:
-        self.loss: Tensor | float = 0.0
-        self.recovered: Tensor | float = 0.0
-        self.n = self.known = self.steps = 0
-        self.t0 = time.perf_counter()
+    def __init__(self, method: DivideMix) -> None:
+        self.method = method
+        self.optimizers = [m.optimizer for m in method.members]
+        self.known_below = method.num_classes
 
-    def batch(self, b: Any, target: Tensor, num_classes: int) -> None:
-        known = b.valid & (b.clean >= 0) & (b.clean < num_classes)
-        self.recovered += ((target.to(b.clean.device) == b.clean) & known).sum()
-        self.n += int(b.valid.sum())
-        self.known += int(known.sum())
-        self.steps += 1
+    def rows(self, batch: Any) -> tuple[Tensor, ...]:
+        return (batch.observed,)
 
-    def stats(self) -> dict[str, float]:
-        elapsed = time.perf_counter() - self.t0
-        steps = max(self.steps, 1)
-        return {
-            "loss": float(self.loss) / max(self.n, 1),
-            "label_recovery": float(self.recovered) / self.known if self.known else float("nan"),
-            "changed": 0.0, "staleness": 0.0, "gamma": 1.0,
-            "step_time": elapsed / steps, "sampler_time": 0.0, "sync_time": 0.0,
-            "sampler_share": 0.0,
-            "images_per_s": self.n / elapsed if elapsed > 0 else 0.0,
-            "steps": float(self.steps),
-        }
+    def forward(self, k: int, step: StepInput) -> tuple[Tensor, Tensor]:
+        return self.method._warmup_forward(k, step)
+
+
+class _DivideTask(Task):
+    """A noise-phase pass: network 0 then network 1 on every batch (:meth:`DivideMix._forward`);
+    label recovery is network 0's target (co-refined or co-guessed) against the clean
+    label."""
+
+    def __init__(self, method: DivideMix, epoch: int) -> None:
+        self.method, self.epoch = method, epoch
+        self.optimizers = [m.optimizer for m in method.members]
+        self.known_below = method.num_classes
+
+    def begin(self) -> None:
+        self.method._begin_chain_pass()
+
+    def forward(self, k: int, step: StepInput) -> tuple[Tensor, Tensor]:
+        return self.method._forward(k, step, self.epoch + step.index / self.method._steps)
+
+    def end(self) -> dict[str, float]:
+        return {"changed": self.method._chain_changed()}
 
 
 @register
@@ -485,15 +458,13 @@ class DivideLCCN(DivideMix):
         q = lccn_posterior(torch.softmax(logits.double(), 1), transition_columns(phi, observed))
         return lccn_division_losses(q, observed)
 
-    def train_epoch(self, epoch: int, batches: Iterable[Any],
-                    after_step: Callable[[], None]) -> dict[str, float]:
-        noise = self.in_noise_phase(epoch)
-        self._sink = self.report.sink(epoch) if noise else None
-        stats = super().train_epoch(epoch, batches, after_step)
-        if noise:
-            finish_epoch(self.report, self.engine, epoch,
-                                      [m.scorer for m in self.members])
-        return stats
+    def train_task(self, epoch: int) -> Task:
+        self._sink = self.report.sink(epoch) if self.in_noise_phase(epoch) else None
+        return super().train_task(epoch)
+
+    def end_pass(self, epoch: int) -> None:
+        if self.in_noise_phase(epoch):
+            finish_epoch(self.report, self.engine, epoch, [m.scorer for m in self.members])
 
     def _begin_chain_pass(self) -> None:
         self._changed = []

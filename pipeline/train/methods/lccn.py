@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import csv
 import io
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -19,7 +19,7 @@ from pipeline.core.monitor import CollapseMonitor, chain_health
 from pipeline.core.posterior import STATE_KEY, PosteriorWindow
 from pipeline.core.warmup import estimate_phi_init, initial_latents
 from pipeline.train.labeler import GibbsLabeler
-from pipeline.train.loop import predict, train_one_epoch
+from pipeline.train.loop import LabelTask, Task, predict
 from pipeline.train.methods.base import Method, register
 from pipeline.train.report import accumulator_for, finish_epoch
 
@@ -130,11 +130,13 @@ class LCCN(Method):
     def _active(self, epoch: int) -> GibbsLabeler | None:
         return self.labeler if self.in_noise_phase(epoch) else None
 
-    def train_epoch(self, epoch: int, batches: Iterable[Any],
-                    after_step: Callable[[], None]) -> dict[str, float]:
+    def train_task(self, epoch: int) -> Task:
+        """The classifier's pass: in the noise phase the labeler samples z for every batch
+        (Eq. 7) and commits it after the step, the posterior windows observing each draw;
+        before it, cross-entropy on the observed labels (trusted samples: their clean
+        label)."""
         m = self.members[0]
         active = self._active(epoch)
-        self._epoch = epoch
         observers = ([fn for fn in (w.sink(epoch) for w in self.windows) if fn is not None]
                      if active is not None else [])
 
@@ -143,24 +145,24 @@ class LCCN(Method):
             for fn in observers:
                 fn(idx, posterior)
 
-        stats = train_one_epoch(m.train_model, batches, m.optimizer, labeler=active,
-                                trusted=self.trusted, xi=self.cfg.xi, device=self.engine.device,
-                                num_classes=self.num_classes, after_step=after_step,
-                                observe=observe if observers else None)
+        return LabelTask(m.train_model, m.optimizer, labeler=active, trusted=self.trusted,
+                         xi=self.cfg.xi, known_below=self.num_classes + 1,
+                         observe=observe if observers else None)
+
+    def end_pass(self, epoch: int) -> None:
         if self.labeler is not None:
             self.lccn_step = self.labeler.step_count
-        if active is not None:
+        if self._active(epoch) is not None:
             if self.outlier_mean is not None:
                 self.outlier_mean.end_epoch(epoch, self.engine.reduce_cpu)
-            finish_epoch(self.report, self.engine, epoch, [m.scorer])
-        return stats
+            finish_epoch(self.report, self.engine, epoch, [self.members[0].scorer])
 
     def flush(self) -> None:
         if self.labeler is not None:
             self.labeler.flush()
             self.lccn_step = self.labeler.step_count
         # every rank at every moment: collectives (no-ops, on every rank alike, at an epoch
-        # end, where train_epoch has merged them already)
+        # end, where end_pass has merged them already)
         for w in self.windows:
             w.merge(self.engine.reduce_cpu)
 
