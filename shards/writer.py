@@ -339,13 +339,14 @@ def _write_shard(task: _ShardTask) -> ShardInfo:
         tmp.unlink(missing_ok=True)
         raise
     info = ShardInfo(name=task.name, num_samples=len(task.records), sha256=hf.sha.hexdigest(),
-                     bytes=hf.nbytes)
+                     bytes=hf.nbytes,
+                     first_idx=task.records[0].idx if task.records else None)
     os.replace(tmp, final)
     _fsync_dir(split_dir)
     _write_json_atomic(split_dir / PROGRESS_DIR / (task.name + ".json"),
                        {"fingerprint": task.fingerprint, "name": info.name,
                         "num_samples": info.num_samples, "sha256": info.sha256,
-                        "bytes": info.bytes})
+                        "bytes": info.bytes, "first_idx": info.first_idx})
     return info
 
 
@@ -416,7 +417,8 @@ def _done_info(split_dir: Path, name: str, fingerprint: str) -> ShardInfo | None
             return None
     except OSError:
         return None
-    return ShardInfo(name=name, num_samples=d["num_samples"], sha256=d["sha256"], bytes=d["bytes"])
+    return ShardInfo(name=name, num_samples=d["num_samples"], sha256=d["sha256"], bytes=d["bytes"],
+                     first_idx=d.get("first_idx"))
 
 
 # -- input checks -----------------------------------------------------------------------------

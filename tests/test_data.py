@@ -30,6 +30,7 @@ from pipeline.data.stream import (
     LoaderConfig,
     batch_sizes,
     check_splits,
+    decoded_batches,
     eval_ranks,
     greedy_partition,
     make_eval_loader,
@@ -395,6 +396,48 @@ def test_eval_loader_covers_split_in_manifest_order(tmp_path, cifar_images):
         assert torch.equal(b.observed, labels) and torch.equal(b.clean, labels)
     for batches in per_rank:  # each rank reads its shards in manifest order, unshuffled
         assert np.all(np.diff(valid_idx(batches)) > 0)
+
+
+def test_dropped_samples_are_left_out_before_decoding_and_kept_raw(tmp_path, cifar_images):
+    """A drop mask (the noisy validation split) leaves its samples out of the training pass
+    before their images are decoded (a corrupt one costs nothing), the plan counts only the
+    kept samples (full batches, nothing padded), and the raw bytes kept decode, in this
+    process, to exactly the evaluation loader's tensors."""
+    sizes = [10, 7, 9, 6]
+    n = sum(sizes)
+    write_split(tmp_path / "train", sizes, cifar_images, corrupt={5: b"not an image"})
+    m = Manifest.load(tmp_path / "train")
+    drop = np.zeros(n, bool)
+    drop[[0, 5, 11, 12, 20, 31]] = True
+    view = shifted_view(n, cifar_images)
+    src = tmp_path / "train"
+    with pytest.raises(ValueError, match="first_idx"):  # a hand-made manifest: no ranges
+        make_train_loader(src, view, CFG, rank=0, world_size=2, epoch=0, drop=drop)
+    starts = np.cumsum([0, *sizes[:-1]])
+    m = Manifest(m.dataset, m.split, m.classes,
+                 [replace(s, first_idx=int(f)) for s, f in zip(m.shards, starts)])
+    m.save(src)
+    per_rank, loaders = run_ranks(src, view, CFG, world=2, drop=drop, keep_dropped=True)
+    seen = np.concatenate([valid_idx(b) for b in per_rank])
+    assert np.array_equal(np.sort(seen), np.flatnonzero(~drop))  # each kept sample once
+    stats = {k: sum(ld.stats[k] for ld in loaders) for k in loaders[0].stats}
+    assert stats["dropped"] == drop.sum()
+    assert stats["skipped_decode"] == stats["missing"] == stats["padded"] == 0
+    assert all(b.valid.all() for r in per_rank for b in r[:-1])  # full batches
+    kept = [s for ld in loaders for s in ld.kept]
+    assert sorted(int(s["__key__"].rsplit("/", 1)[-1]) for s in kept) == \
+        np.flatnonzero(drop).tolist()
+    cfg = replace(CFG, num_workers=0)
+    got = {int(i): x for b in decoded_batches(kept, view, cfg, batch_size=4)
+           for i, x in zip(b.idx, b.images)}
+    assert sorted(got) == [0, 11, 12, 20, 31]  # idx 5 does not decode: left out, logged
+    ref = {int(i): x for b in make_eval_loader(src, view, cfg) for i, x, v in
+           zip(b.idx, b.images, b.valid) if v}
+    for i, x in got.items():
+        assert torch.equal(x, ref[i]), i
+    # the evaluation loader drops them too (the plan counts what each shard keeps)
+    ev = list(make_eval_loader(src, view, cfg, drop=~drop))
+    assert sorted(valid_idx(ev).tolist()) == [0, 11, 12, 20, 31]
 
 
 def _reverse_pixels(pixels: np.ndarray, *, idx: int, seed: int) -> np.ndarray:

@@ -176,8 +176,11 @@ def test_resume_after_failure_is_exact(digits, tmp_path, one_thread, commit_ever
     ref_store = StoreActor(obs, z0, 10, 10, counted=counted)
     ref_session = LocalSession(tmp_path / "a" / "ckpt")
     ref_rows = run_worker(run, dist, view, LocalStoreClient(ref_store), ref_session)
+    # 1,258 digits less the 63 of the validation split (dropped before the plan): 19 steps
+    spe = int(ref_rows[0]["steps"])
+    assert spe == 19
 
-    # fail after step 45 of 60 (20 per epoch): the last checkpoint is the one at step 42
+    # fail after step 45 of 57: the last checkpoint is the one at step 42 (every 7 steps)
     dist_b = replace(dist, run_dir=str(tmp_path / "b"), inject_failure="0:45:raise")
     (tmp_path / "b").mkdir()
     store = StoreActor(obs, z0, 10, 10, counted=counted)
@@ -186,25 +189,25 @@ def test_resume_after_failure_is_exact(digits, tmp_path, one_thread, commit_ever
         run_worker(run, dist_b, view, LocalStoreClient(store), session)
     assert store.version > 0
     rows = run_worker(run, dist_b, view, LocalStoreClient(store), session)  # resume
-    assert rows[0]["resumed_epoch"] == 2 and rows[0]["resumed_batch"] == 2  # step 42
+    assert rows[0]["resumed_epoch"] == 2 and rows[0]["resumed_batch"] == 42 - 2 * spe
     assert len(rows) == 1 and len(ref_rows) == 3
 
     assert torch.equal(store.z, ref_store.z)
     assert torch.equal(store.counts, ref_store.counts)
     if commit_every == 1:
-        assert store.version == ref_store.version == 2 * 20 + 1  # 2 LCCN epochs + initial
+        assert store.version == ref_store.version == 2 * spe + 1  # 2 LCCN epochs + initial
     else:  # one call per 4 steps, plus the flushes at the checkpoints (every 7 steps)
-        assert ref_store.version < 2 * 20 * 0.5 and store.duplicates == 0
+        assert ref_store.version < 2 * spe * 0.5 and store.duplicates == 0
     store.check()
     a = LocalSession(tmp_path / "a" / "ckpt").load_checkpoint()
     b = session.load_checkpoint()
     for key in a["model"]:
         assert torch.equal(a["model"][key], b["model"][key]), key
-    assert a["global_step"] == b["global_step"] == 60
+    assert a["global_step"] == b["global_step"] == 3 * spe
     # epochs before the failure have the same rows; the resumed epoch's row covers only
     # the batches after the checkpoint
     assert [r["loss"] for r in a["history"][:2]] == [r["loss"] for r in b["history"][:2]]
-    assert b["history"][2]["steps"] == 18 and a["history"][2]["steps"] == 20
+    assert b["history"][2]["steps"] == spe - (42 - 2 * spe) and a["history"][2]["steps"] == spe
     # the collapse monitor's statistics land in the LCCN epochs' rows (rank 0, from the
     # store state at the epoch's checkpoint), not in the CE epoch's
     assert "latent_entropy" not in a["history"][0]
@@ -228,14 +231,14 @@ def test_a_mid_epoch_checkpoint_is_not_resumed_under_another_batch_order(digits,
     with pytest.raises(RuntimeError, match="injected failure at step 45"):
         run_worker(run, dist, view, LocalStoreClient(store), session)
     other = replace(dist, shuffle_buffer=50, inject_failure="")
-    with pytest.raises(ValueError, match="batch 2 of epoch 2, .*shuffle_buffer 100 -> 50"):
+    with pytest.raises(ValueError, match="batch 4 of epoch 2, .*shuffle_buffer 100 -> 50"):
         run_worker(run, other, view, LocalStoreClient(store), session)
     # the job driver reads the same from meta.json before it starts Ray Train
     assert "shuffle_buffer 100 -> 50" in resume_problem(run, other)
     assert resume_problem(run, replace(dist, inject_failure="")) is None
     rows = run_worker(run, replace(dist, inject_failure=""), view, LocalStoreClient(store),
                       session)  # the checkpoint's values resume
-    assert rows[0]["resumed_batch"] == 2
+    assert rows[0]["resumed_batch"] == 4  # step 42 of 19-step epochs
 
 
 def test_a_ce_run_tracks_each_epoch_once_with_its_lr_and_the_final_checkpoint(digits, tmp_path,
@@ -463,6 +466,42 @@ def test_a_test_split_with_fewer_shards_than_ranks_is_scored_once_by_the_first_r
     assert len(seen) == 539 and torch.equal(seen.sort().values, torch.arange(539))
 
 
+def test_the_validation_split_is_decoded_from_the_bytes_the_training_pass_kept(digits):
+    """Two ranks: the training pass leaves the held-out samples out before decoding (the
+    shards record their idx ranges) and counts them; afterwards each rank's validation
+    batches come from the raw bytes its pass kept, the same samples and tensors (observed
+    labels) as reading them from the shards, which is what a rank does before its first
+    pass (each rank then scores the held-out samples of the shards it reads: others than in
+    its training pass); over both ranks, every held-out sample once either way."""
+    from pipeline.data.stream import LoaderConfig
+    from pipeline.train.session import ProcessSession
+    from pipeline.train.shard_source import ShardSource
+
+    train, _, view = digits
+    cfg = LoaderConfig(batch_size=32, num_workers=0, preset="digits", seed=0)
+    mask = held_out_mask(view, 0.1, seed=0)
+    before, after, kept = {}, {}, []
+    for rank in range(2):
+        src = ShardSource(train_source=str(train), test_source=None, view=view, loader_cfg=cfg,
+                          rank=rank, world_size=2, held_out=mask)
+        assert src.drop_early
+        before.update({int(i): (x, int(y)) for b in src.val_batches()
+                       for i, x, y, v in zip(b.idx, b.images, b.clean, b.valid) if v})
+        assert src._val_raw is None
+        pass_ = src.train_batches(0)
+        idx = torch.cat([b.idx[b.valid] for b in pass_])
+        assert not mask[idx.numpy()].any()
+        mine = [int(i) for b in src.val_batches() for i in b.idx]
+        after.update({int(i): (x, int(y)) for b in src.val_batches()
+                      for i, x, y in zip(b.idx, b.images, b.clean)})
+        assert src._val_raw is not None
+        assert pass_.counters(ProcessSession("cpu"))["val_held_out"] == len(mine)
+        kept += mine
+    assert sorted(kept) == sorted(before) == np.flatnonzero(mask).tolist()
+    for i, (x, y) in after.items():
+        assert torch.equal(x, before[i][0]) and y == before[i][1] == view.observed[i]
+
+
 def test_a_store_counting_the_validation_split_is_refused(digits, tmp_path, one_thread):
     """Rank 0 refuses the chain state at the first checkpoint (step 7, still in CE) and
     nothing is saved."""
@@ -523,24 +562,31 @@ RAY_ARGS = ["--epochs", str(EPOCHS), "--pretrain-epochs", str(PRETRAIN), "--batc
 
 
 def _epoch_steps(train_dir: Path, world_size: int) -> list[int]:
-    """Steps of each epoch as the loader plans them (every rank takes as many)."""
+    """Steps of each epoch as the loader plans them (every rank takes as many): over the
+    samples each shard keeps once the noisy validation split (5%, seed 0) is dropped."""
     from pipeline.data.manifest import Manifest
     from pipeline.data.stream import plan_epoch
 
-    counts = [s.num_samples for s in Manifest.load(train_dir).shards]
+    held = held_out_mask(quickstart_ray.digits_view(train_dir, rate=0.4, seed=0), 0.05, seed=0)
+    ranges = Manifest.load(train_dir).idx_ranges()
+    counts = [n - int(held[f:f + n].sum()) for f, n in ranges]
     return [plan_epoch(counts, world_size=world_size, num_workers=1,
                        batch_size=64 // world_size, seed=0, epoch=e, shuffle=True).steps
             for e in range(EPOCHS)]
 
 
 def _resume_position(steps: list[int], failed_after: int) -> tuple[int, int]:
-    """(epoch, batch) of the last checkpoint at or before global step ``failed_after``."""
+    """(epoch, batch) of the last checkpoint at or before global step ``failed_after``: a
+    mid-epoch checkpoint at that step is written before the failure fires, an epoch-end one
+    is not (the failure fires in the step's hook, before the epoch's end)."""
     best, start = (0, 0), 0
     for e, n in enumerate(steps):
         for s in range(start + 1, start + n + 1):
             if s > failed_after:
                 return best
             if s == start + n:
+                if s == failed_after:
+                    return best
                 best = (e + 1, 0)
             elif s % CKPT_EVERY == 0:
                 best = (e, s - start)
@@ -602,7 +648,7 @@ def test_injected_failures_all_fired(chaos_run):
 @pytest.mark.ray
 def test_resubmission_resumes_from_last_checkpoint(chaos_run):
     s, steps = chaos_run["summary"], chaos_run["steps"]
-    assert 50 > sum(steps[:PRETRAIN]) and 100 < sum(steps[:-1])  # failures in LCCN epochs
+    assert 50 > sum(steps[:PRETRAIN]) and 100 <= sum(steps[:-1])  # failures in LCCN epochs
     # the final row comes from the last (re)start: from the checkpoint before step 100
     resumed = (s["metrics"]["resumed_epoch"], s["metrics"]["resumed_batch"])
     assert resumed == _resume_position(steps, 100) and resumed[1] > 0  # mid-epoch
@@ -803,8 +849,9 @@ def test_lccn_star_plus_on_ray_exports_outliers_and_keeps_the_trusted_set_out_of
 @pytest.mark.ray
 def test_one_worker_killed_mid_epoch_resumes_bit_identical(ray_cluster, tmp_path):
     """On real Ray: the single worker dies (os._exit, as after SIGKILL) mid-epoch in LCCN
-    epoch 2; the group restarts from the checkpoint at step 48 and the run ends with the
-    same model, z, C and store version as an uninterrupted run with the same seed."""
+    epoch 2 (19 steps an epoch: 1,195 training digits, batch 64); the group restarts from
+    the checkpoint at step 48 and the run ends with the same model, z, C and store version
+    as an uninterrupted run with the same seed."""
     from pipeline.train.checkpoints import load_state
 
     args = ["--epochs", "4", "--pretrain-epochs", "1", "--batch-size", "64", "--lr", "0.05",
@@ -815,14 +862,14 @@ def test_one_worker_killed_mid_epoch_resumes_bit_identical(ray_cluster, tmp_path
     hit = quickstart_ray.main(["--run-dir", str(tmp_path / "b"), "--run-name", "hit", *args,
                                "--max-failures", "1", "--inject-failure", "0:50:exit"])
     assert (tmp_path / "b" / ".injected-failure-r0-s50-exit").is_file()
-    assert (hit["metrics"]["resumed_epoch"], hit["metrics"]["resumed_batch"]) == (2, 8)
+    assert (hit["metrics"]["resumed_epoch"], hit["metrics"]["resumed_batch"]) == (2, 10)
     a, b = load_state(ref["checkpoint"]), load_state(hit["checkpoint"])
-    assert a["global_step"] == b["global_step"] == 80
+    assert a["global_step"] == b["global_step"] == 4 * 19
     for key in a["model"]:
         assert torch.equal(a["model"][key], b["model"][key]), key
     for key in ("z", "counts"):
         assert torch.equal(a["store"][key], b["store"][key]), key
-    assert a["store"]["steps"] == b["store"]["steps"] == 3 * 20 + 1
+    assert a["store"]["steps"] == b["store"]["steps"] == 3 * 19 + 1
     assert ref["store"]["refused"] == 0 and hit["store"]["opened"] == 2
 
 

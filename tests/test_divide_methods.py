@@ -414,8 +414,9 @@ def test_divide_lccn_worker_loop_resumes_mid_epoch_exactly(digit_shards, tmp_pat
         s.check()
         assert int(s.counts.sum()) == int((~held_out).sum())
 
-    # 20 steps per epoch: fail at step 25 (epoch 1, the first noise epoch); the last
-    # checkpoint is the one at step 21, inside epoch 1, with epoch 1's division
+    # 19 steps per epoch (1,195 training digits, the validation split dropped): fail at step
+    # 25 (epoch 1, the first noise epoch); the last checkpoint is the one at step 21, batch 2
+    # of epoch 1, with epoch 1's division
     dist_b = replace(dist, run_dir=str(tmp_path / "b"), inject_failure="0:25:raise")
     (tmp_path / "b").mkdir()
     cut = stores()
@@ -423,9 +424,9 @@ def test_divide_lccn_worker_loop_resumes_mid_epoch_exactly(digit_shards, tmp_pat
     with pytest.raises(RuntimeError, match="injected failure at step 25"):
         run_worker(run, dist_b, view, [LocalStoreClient(s) for s in cut], session)
     st = session.load_checkpoint()
-    assert (st["epoch"], st["batch"], st["division_epoch"]) == (1, 1, 1)
+    assert (st["epoch"], st["batch"], st["division_epoch"]) == (1, 2, 1)
     rows = run_worker(run, dist_b, view, [LocalStoreClient(s) for s in cut], session)
-    assert rows[0]["resumed_epoch"] == 1 and rows[0]["resumed_batch"] == 1
+    assert rows[0]["resumed_epoch"] == 1 and rows[0]["resumed_batch"] == 2
     a, b = LocalSession(tmp_path / "a" / "ckpt").load_checkpoint(), session.load_checkpoint()
     for ma, mb in zip(a["models"], b["models"]):
         assert all(torch.equal(ma[key], mb[key]) for key in ma)

@@ -115,6 +115,8 @@ def test_layout_content_and_fixed_tar_metadata(reference, jpeg_files):
     assert [s.name for s in m.shards] == [shard_name("train", i) for i in range(5)]
     assert [s.num_samples for s in m.shards] == [25, 25, 25, 25, 20]
     assert m.num_samples == 120 and m.classes == CLASSES
+    # each shard says which idx it holds (a reader plans around a subset without opening it)
+    assert m.idx_ranges() == [(0, 25), (25, 25), (50, 25), (75, 25), (100, 20)]
     m.verify(reference)
     samples = read_split(reference)
     assert [s["__key__"] for s in samples] == [f"{i:08d}" for i in range(120)]
@@ -297,6 +299,7 @@ def test_skip_bad_drops_renumbers_and_lists(bad_records, jpeg_files, tmp_path):
     samples = read_split(tmp_path / "out" / "train")
     kept = [r for r in recs if r.idx not in bad]
     assert [s["json"]["idx"] for s in samples] == list(range(57))  # dense
+    assert m.idx_ranges() is not None
     assert [s["json"]["key"] for s in samples] == [r.key for r in kept]
     assert [s["jpg"] for s in samples] == [Path(r.path).read_bytes() for r in kept]
     # a rerun re-reads nothing: scan results and shards come from .progress

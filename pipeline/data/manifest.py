@@ -13,6 +13,11 @@ or ``png`` (the original encoding unless a resize was asked), and ``json``::
 ``label`` is the dataset's own (possibly noisy) label, ``clean`` its clean label where the
 dataset has one, ``key`` the original file name or key. Extra fields are allowed
 (``coarse`` for CIFAR-100). ``idx`` is stable and dense in ``[0, num_samples)``.
+
+A shard's ``first_idx`` (written by :mod:`shards.writer`; absent from older manifests and
+hand-made ones) says that it holds exactly the samples ``first_idx .. first_idx +
+num_samples - 1``: a reader can then tell how many samples of a subset of idx (the noisy
+validation split) each shard holds without opening it.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class ShardInfo:
     num_samples: int
     sha256: str
     bytes: int
+    first_idx: int | None = None
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,17 @@ class Manifest:
     @property
     def num_classes(self) -> int:
         return len(self.classes)
+
+    def idx_ranges(self) -> list[tuple[int, int]] | None:
+        """``[(first_idx, num_samples)]`` per shard when every shard records its
+        ``first_idx`` and the ranges tile ``[0, num_samples)`` in order; else None."""
+        out, at = [], 0
+        for s in self.shards:
+            if s.first_idx is None or s.first_idx != at:
+                return None
+            out.append((s.first_idx, s.num_samples))
+            at += s.num_samples
+        return out
 
     def fingerprint(self) -> str:
         """sha256 over the split's classes and its shards' names, sample counts and sha256.

@@ -134,7 +134,7 @@ REMOTE_PREFIXES = ("http://", "https://", "s3://")
 IMAGE_KEYS = ("jpg", "png", "jpeg")
 STAT_KEYS = ("samples", "shards", "skipped_decode", "skipped_meta", "skipped_tar",
              "skipped_duplicate", "skipped_extra", "missing", "padded", "checksum_mismatch",
-             "read_retries")
+             "read_retries", "dropped")
 # What PIL raises on a corrupt, truncated or hostile image.
 _DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError)
 
@@ -537,6 +537,7 @@ class _SlotState:
         self.logged: Counter[str] = Counter()
         self.current_url = ""
         self.bad_urls: set[str] = set()
+        self.kept: list[dict] = []  # raw samples dropped before decoding, kept for the caller
 
     def skip(self, reason: str, msg: str, *args: Any) -> None:
         """Count one skipped sample; log the first few of each reason per slot."""
@@ -559,6 +560,10 @@ class _SlotState:
     def take_stats(self) -> dict[str, int]:
         out = dict(self.stats)
         self.stats.clear()
+        return out
+
+    def take_kept(self) -> list[dict]:
+        out, self.kept = self.kept, []
         return out
 
 
@@ -654,8 +659,11 @@ def _shuffle(samples: Iterator[dict], *, bufsize: int, rng: np.random.Generator)
 
 
 def _decode(samples: Iterator[dict], *, mode: str, num_samples: int,
-            state: _SlotState) -> Iterator[dict]:
-    """Raw sample -> {"idx", "image": PIL in ``mode``, "meta"}; bad ones are counted and skipped."""
+            state: _SlotState, drop: np.ndarray | None = None,
+            keep_dropped: bool = False) -> Iterator[dict]:
+    """Raw sample -> {"idx", "image": PIL in ``mode``, "meta"}; bad ones are counted and skipped.
+    A sample whose ``drop[idx]`` is set is counted (``dropped``) and left out before its image
+    is decoded; with ``keep_dropped`` its raw members go to ``state.kept``."""
     for s in samples:
         url, key = s.get("__url__", "?"), s.get("__key__", "?")
         img_bytes = next((s[k] for k in IMAGE_KEYS if k in s), None)
@@ -668,6 +676,12 @@ def _decode(samples: Iterator[dict], *, mode: str, num_samples: int,
         if img_bytes is None or not 0 <= idx < num_samples or key.rsplit("/", 1)[-1] != sample_key(idx):
             state.skip("skipped_meta", "%s: sample %s (idx %d) has no image, or its key/idx is "
                        "not a match in [0, %d); skipped", url, key, idx, num_samples)
+            continue
+        if drop is not None and drop[idx]:
+            state.stats["dropped"] += 1
+            if keep_dropped:
+                state.kept.append({k: v for k, v in s.items()
+                                   if k in IMAGE_KEYS or k in ("json", "__key__", "__url__")})
             continue
         try:
             with Image.open(io.BytesIO(img_bytes)) as im:
@@ -756,6 +770,7 @@ def _chunks(samples: Iterator[dict], *, size: int, shape: tuple[int, ...], state
             "labels": torch.tensor([(s["idx"], s["observed"], s["clean"]) for s in items],
                                    dtype=torch.int64).reshape(-1, 3),
             "stats": state.take_stats(),
+            "kept": state.take_kept(),
         }
 
 
@@ -769,9 +784,10 @@ class _RankStream(IterableDataset):
     def __init__(self, *, urls: list[str], counts: list[int], slots: tuple[tuple[int, ...], ...],
                  hashes: dict[str, str] | None, label_view: LabelView | None, num_samples: int,
                  cfg: LoaderConfig, train: bool, shuffle_buffer: int, seed_parts: tuple[int, ...],
-                 ood_transform: OodTransform | None, views: int = 1) -> None:
+                 ood_transform: OodTransform | None, views: int = 1,
+                 drop: np.ndarray | None = None, keep_dropped: bool = False) -> None:
         super().__init__()
-        self.views = views
+        self.views, self.drop, self.keep_dropped = views, drop, keep_dropped
         self.urls, self.counts, self.slots, self.hashes = urls, counts, slots, hashes
         self.label_view, self.num_samples, self.cfg, self.train = label_view, num_samples, cfg, train
         self.shuffle_buffer, self.seed_parts, self.ood_transform = shuffle_buffer, seed_parts, ood_transform
@@ -799,8 +815,9 @@ class _RankStream(IterableDataset):
                     expected={self.urls[i]: self.counts[i] for i in shards}),
             partial(_shuffle, bufsize=self.shuffle_buffer,    # same, shuffled within the buffer
                     rng=np.random.default_rng(seed)),
-            partial(_decode, mode=preset.mode,                # {"idx", "image": PIL, "meta"}
-                    num_samples=self.num_samples, state=state),
+            partial(_decode, mode=preset.mode,                # {"idx", "image": PIL, "meta"};
+                    num_samples=self.num_samples, state=state,  # drop[idx]: left out before
+                    drop=self.drop, keep_dropped=self.keep_dropped),  # decoding
             partial(_apply_labels, view=view),                # + "observed", "clean"
             partial(_apply_ood, ood=ood, fn=self.ood_transform,  # image pixel-shuffled if ood[idx]
                     seed=cfg.ood_seed if cfg.ood_seed is not None or ood is None
@@ -822,8 +839,10 @@ class ShardLoader:
 
     Attributes: ``steps_per_epoch`` (S, the same on every rank), ``plan`` (``EpochPlan``),
     ``num_samples`` (n_r of this rank), ``num_workers`` (DataLoader workers actually used),
-    ``stats`` (counters of the current/last pass, see ``STAT_KEYS``), ``position``.
-    ``len(loader)`` is the number of batches a pass yields (S - start_batch).
+    ``stats`` (counters of the current/last pass, see ``STAT_KEYS``), ``position``,
+    ``kept`` (the raw samples a loader made with ``keep_dropped`` left out before decoding,
+    complete once a pass has ended). ``len(loader)`` is the number of batches a pass yields
+    (S - start_batch).
     """
 
     def __init__(self, *, dataset: _RankStream, plan: EpochPlan, rank: int, epoch: int,
@@ -834,6 +853,7 @@ class ShardLoader:
         self.steps_per_epoch = plan.steps
         self.num_samples = plan.rank_samples[rank]
         self.stats: dict[str, int] = dict.fromkeys(STAT_KEYS, 0)
+        self.kept: list[dict] = []
         self.batches_done = start_batch
 
     def __len__(self) -> int:
@@ -855,6 +875,7 @@ class ShardLoader:
 
     def __iter__(self) -> Iterator[Batch]:
         self.stats = dict.fromkeys(STAT_KEYS, 0)
+        self.kept = []
         self.batches_done = self.start_batch
         sizes = self.plan.batch_sizes(self.rank)
         n_rank = self.num_samples
@@ -895,6 +916,7 @@ class ShardLoader:
         for chunk in self._chunk_iter():
             for k, v in chunk.pop("stats").items():
                 self.stats[k] = self.stats.get(k, 0) + int(v)
+            self.kept.extend(chunk.pop("kept", ()))
             idx = chunk["labels"][:, 0].numpy()
             if len(idx):
                 _, first = np.unique(idx, return_index=True)
@@ -961,7 +983,8 @@ def _resolve_ood(label_view: LabelView | None, fn: OodTransform | None) -> OodTr
 def _make_loader(source: str | os.PathLike, label_view: LabelView | None, cfg: LoaderConfig, *,
                  rank: int, world_size: int, epoch: int, start_batch: int, train: bool,
                  manifest: Manifest | None, ood_transform: OodTransform | None,
-                 views: int = 1) -> ShardLoader:
+                 views: int = 1, drop: np.ndarray | None = None,
+                 keep_dropped: bool = False) -> ShardLoader:
     if views not in (1, 2):
         raise ValueError(f"views must be 1 or 2, got {views}")
     if not 0 <= rank < world_size:
@@ -973,7 +996,16 @@ def _make_loader(source: str | os.PathLike, label_view: LabelView | None, cfg: L
     ood_fn = _resolve_ood(label_view, ood_transform)
 
     counts = [s.num_samples for s in manifest.shards]
-    plan = plan_epoch(counts, world_size=world_size, num_workers=max(1, cfg.num_workers),
+    planned = counts
+    if drop is not None:  # the plan counts the samples each shard keeps
+        ranges = manifest.idx_ranges()
+        if ranges is None:
+            raise ValueError(f"{source}: dropping samples before decoding needs the shards' "
+                             f"first_idx in the manifest (convert again with this version)")
+        if len(drop) != manifest.num_samples:
+            raise ValueError(f"drop mask of {len(drop)} for {manifest.num_samples} samples")
+        planned = [n - int(drop[f:f + n].sum()) for f, n in ranges]
+    plan = plan_epoch(planned, world_size=world_size, num_workers=max(1, cfg.num_workers),
                       batch_size=cfg.batch_size, seed=cfg.seed, epoch=epoch, shuffle=train)
     if not 0 <= start_batch <= plan.steps:
         raise ValueError(f"start_batch {start_batch} is outside [0, steps_per_epoch={plan.steps}]")
@@ -994,7 +1026,8 @@ def _make_loader(source: str | os.PathLike, label_view: LabelView | None, cfg: L
         urls=urls, counts=counts, slots=slots, hashes=hashes, label_view=label_view,
         num_samples=manifest.num_samples, cfg=cfg, train=train,
         shuffle_buffer=cfg.shuffle_buffer if train else 0,
-        seed_parts=(cfg.seed, epoch, rank), ood_transform=ood_fn, views=views)
+        seed_parts=(cfg.seed, epoch, rank), ood_transform=ood_fn, views=views, drop=drop,
+        keep_dropped=keep_dropped)
     return ShardLoader(dataset=dataset, plan=plan, rank=rank, epoch=epoch, num_workers=workers,
                        start_batch=start_batch, cfg=cfg, num_total=manifest.num_samples)
 
@@ -1002,7 +1035,8 @@ def _make_loader(source: str | os.PathLike, label_view: LabelView | None, cfg: L
 def make_train_loader(source: str | os.PathLike, label_view: LabelView | None,
                       cfg: LoaderConfig, *, rank: int, world_size: int, epoch: int,
                       start_batch: int = 0, manifest: Manifest | None = None,
-                      ood_transform: OodTransform | None = None, views: int = 1) -> ShardLoader:
+                      ood_transform: OodTransform | None = None, views: int = 1,
+                      drop: np.ndarray | None = None, keep_dropped: bool = False) -> ShardLoader:
     """The training stream of one rank for one epoch (see the module docstring).
 
     source: a split directory, or a base URL (``http(s)://``, ``s3://``) of the split.
@@ -1013,20 +1047,66 @@ def make_train_loader(source: str | os.PathLike, label_view: LabelView | None,
     epoch: reshuffles the shard order; start_batch: resume after that many batches.
     views: 2 yields :class:`ViewsBatch` es (the training augmentation applied twice per
       sample, from the slot's generator: the same two views on a re-read).
+    drop: ``(N,) bool``, samples left out before their image is decoded (the noisy
+      validation split), counted in ``stats["dropped"]``; the epoch's plan counts the
+      samples each shard keeps (needs the manifest's ``first_idx``). keep_dropped: their raw
+      members are collected in ``loader.kept`` (:func:`decoded_batches` turns them into
+      evaluation batches).
     Raises ``ManifestError``/``ValueError`` before any batch if the shards, manifest and
     label view disagree.
     """
     return _make_loader(source, label_view, cfg, rank=rank, world_size=world_size, epoch=epoch,
                         start_batch=start_batch, train=True, manifest=manifest,
-                        ood_transform=ood_transform, views=views)
+                        ood_transform=ood_transform, views=views, drop=drop,
+                        keep_dropped=keep_dropped)
 
 
 def make_eval_loader(source: str | os.PathLike, label_view: LabelView | None,
                      cfg: LoaderConfig, *, rank: int = 0, world_size: int = 1,
                      manifest: Manifest | None = None,
-                     ood_transform: OodTransform | None = None) -> ShardLoader:
+                     ood_transform: OodTransform | None = None,
+                     drop: np.ndarray | None = None) -> ShardLoader:
     """The evaluation stream of one rank: manifest shard order, no sample shuffle, the eval
-    transform, and the same equal-batch guarantee (pad samples have ``valid=False``)."""
+    transform, and the same equal-batch guarantee (pad samples have ``valid=False``);
+    ``drop`` as for :func:`make_train_loader`."""
     return _make_loader(source, label_view, cfg, rank=rank, world_size=world_size, epoch=0,
                         start_batch=0, train=False, manifest=manifest,
-                        ood_transform=ood_transform)
+                        ood_transform=ood_transform, drop=drop)
+
+
+def decoded_batches(raw: list[dict], label_view: LabelView, cfg: LoaderConfig, *,
+                    batch_size: int, ood_transform: OodTransform | None = None
+                    ) -> Iterator[Batch]:
+    """Evaluation batches (every sample ``valid``; the last one shorter) of raw samples a
+    loader kept (``ShardLoader.kept``), in this process: the same decoding, labels, open-set
+    pixels, evaluation transform and normalisation as :func:`make_eval_loader` gives them."""
+    preset = get_preset(cfg.preset)
+    state = _SlotState()
+    ood = None if not label_view.ood.any() else label_view.ood
+    seed = cfg.ood_seed if cfg.ood_seed is not None or ood is None else label_view.pixel_seed
+    samples = _decode(iter(raw), mode=preset.mode, num_samples=len(label_view), state=state)
+    samples = _apply_labels(samples, view=label_view)
+    samples = _apply_ood(samples, ood=ood, fn=_resolve_ood(label_view, ood_transform),
+                         seed=seed)
+    samples = _augment(samples, transform=build_sample_transform(cfg.preset, train=False),
+                       shape=preset.shape, preset=cfg.preset)
+    normalise = (build_batch_transform(cfg.preset) if cfg.normalize_on == "host"
+                 else (lambda x: x))
+    items: list[dict] = []
+
+    def emit(items: list[dict]) -> Batch:
+        idx, observed, clean = torch.tensor([(s["idx"], s["observed"], s["clean"])
+                                             for s in items], dtype=torch.int64).T.contiguous()
+        return Batch(normalise(torch.stack([s["image"] for s in items])), observed, idx, clean,
+                     torch.ones(len(items), dtype=torch.bool))
+
+    for s in samples:
+        items.append(s)
+        if len(items) == batch_size:
+            yield emit(items)
+            items = []
+    if items:
+        yield emit(items)
+    if state.stats:
+        log.warning("%d kept samples did not decode: %s", sum(state.stats.values()),
+                    dict(state.stats))
