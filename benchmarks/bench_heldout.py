@@ -57,7 +57,7 @@ def epoch(src: ShardSource, e: int) -> dict[str, float]:
     """One training pass and one validation pass: seconds, CPU seconds, samples."""
     t0, c0 = time.perf_counter(), _cpu_now()
     trained = sum(int(b.valid.sum()) for b in src.train_batches(e))
-    t1, c1 = time.perf_counter(), _cpu_now()
+    t1 = time.perf_counter()
     val = sum(int(b.valid.sum()) for b in src.val_batches())
     t2, c2 = time.perf_counter(), _cpu_now()
     return {"train_s": t1 - t0, "val_s": t2 - t1, "wall_s": t2 - t0, "cpu_s": c2 - c0,
