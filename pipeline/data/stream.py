@@ -820,8 +820,7 @@ class _RankStream(IterableDataset):
                     drop=self.drop, keep_dropped=self.keep_dropped),  # decoding
             partial(_apply_labels, view=view),                # + "observed", "clean"
             partial(_apply_ood, ood=ood, fn=self.ood_transform,  # image pixel-shuffled if ood[idx]
-                    seed=cfg.ood_seed if cfg.ood_seed is not None or ood is None
-                    else view.pixel_seed),
+                    seed=_ood_seed(cfg, view, ood)),
             partial(_augment, transform=build_sample_transform(cfg.preset, train=self.train),
                     shape=preset.shape, preset=cfg.preset,    # "image" (and "image2"):
                     views=self.views),                        # (C, H, W) uint8
@@ -974,6 +973,11 @@ class ShardLoader:
 # -- public constructors ----------------------------------------------------------------------
 
 
+def _ood_seed(cfg: LoaderConfig, view: LabelView | None, ood: np.ndarray | None) -> int | None:
+    """The open-set pixel shuffle's seed: ``cfg.ood_seed`` if set, else the view's."""
+    return cfg.ood_seed if cfg.ood_seed is not None or ood is None else view.pixel_seed
+
+
 def _resolve_ood(label_view: LabelView | None, fn: OodTransform | None) -> OodTransform | None:
     if label_view is None or not label_view.ood.any() or fn is not None:
         return fn
@@ -1083,7 +1087,7 @@ def decoded_batches(raw: list[dict], label_view: LabelView, cfg: LoaderConfig, *
     preset = get_preset(cfg.preset)
     state = _SlotState()
     ood = None if not label_view.ood.any() else label_view.ood
-    seed = cfg.ood_seed if cfg.ood_seed is not None or ood is None else label_view.pixel_seed
+    seed = _ood_seed(cfg, label_view, ood)
     samples = _decode(iter(raw), mode=preset.mode, num_samples=len(label_view), state=state)
     samples = _apply_labels(samples, view=label_view)
     samples = _apply_ood(samples, ood=ood, fn=_resolve_ood(label_view, ood_transform),

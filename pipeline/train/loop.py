@@ -141,7 +141,7 @@ def run_pass(task: Task, batches: Iterable[Any], *, device: torch.device | str =
             task.before_step(k)
             optimizer.step()
             task.after_step(k, step)
-            loss_sum += loss.detach() * nvalid if nets == 1 else loss.detach() * nvalid / nets
+            loss_sum += loss.detach() * (nvalid / nets)
             if k == 0 and target is not None:
                 recovered += ((target == clean_d) & known_d).sum()
         if after_step is not None:
