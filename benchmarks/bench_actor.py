@@ -1,22 +1,23 @@
 """How many training workers one confusion actor can serve.
 
-One ``ray.remote(ConfusionStore)`` actor holds C (K x K) and z for N samples. W simulated
-Train workers call ``step`` back to back, as GibbsLabeler does once per batch: commit the
-batch just sampled (``idx``, ``z_new``; a fraction ``--change`` of labels move), sync ``z``
-of the next batch and the count deltas since the worker's last version. The workers are
+The "push" protocol, the library's (``LCCNConfig.commit_every = n``), runs the real
+``StoreActor``: each worker keeps z of its own samples (a disjoint share of the N, as in an
+epoch) and sends the labels of n batches in one ``push_packed`` call, getting back the
+other workers' moves since its version. Its rate is reported in samples/s (calls x n x
+batch).
+
+For comparison, the per-step protocol the library had before (:class:`StepStore`, defined
+here): one ``ray.remote(StepStore)`` actor holds C (K x K) and z for N samples, and W
+simulated Train workers call ``step`` back to back, once per batch: commit the batch just
+sampled (``idx``, ``z_new``; a fraction ``--change`` of labels move), fetch ``z`` of the
+next batch and every count delta since the worker's last version. The workers are
 asyncio coroutines spread over a few client processes (Ray actors), so 32 workers do not
 need 32 Python processes on a small machine.
-
-The "push" protocol (``LCCNConfig.commit_every = n``) runs the real ``StoreActor``:
-each worker keeps z of its own samples (a disjoint share of the N, as in an epoch) and
-sends the labels of n batches in one ``push_packed`` call, getting back the other
-workers' moves since its version. Its rate is reported in samples/s (calls x n x batch).
 
 Measured: commits/s the actor absorbs, client-side latency p50/p90/p99, request and reply
 bytes per step, and the actor process's CPU use (a core near 100% = saturated). The
 "naive" protocol (full C in every reply, ``since=-1``) shows why incremental sync matters
-at K = 1000. The in-process cost of ``ConfusionStore.step`` (no Ray) bounds what any actor
-could do.
+at K = 1000. The in-process cost of a call (no Ray) bounds what any actor could do.
 
     python benchmarks/bench_actor.py                 # the full table (~3 min on 2 cores)
     python benchmarks/bench_actor.py --quick         # a smoke run
@@ -59,7 +60,29 @@ class Load:
     commit_every: int = 1
 
 
-class NumpyWireStore(ConfusionStore):
+class StepStore(ConfusionStore):
+    """The per-step protocol (one call per batch), kept here to measure what ``push``
+    saves: ``step`` commits a batch and returns ``z`` of the next one plus *every* count
+    delta since the caller's version (its own included), or the whole C when the caller
+    is out of the log (``since = -1``: the "naive" protocol)."""
+
+    def sync(self, idx, *, since: int) -> Sync:
+        idx = torch.as_tensor(idx, dtype=torch.int64)
+        z, e = self.z[idx].clone(), torch.empty(0, dtype=torch.int64)
+        if since == self.version:
+            return Sync(z, self.version, e, e, e)
+        oldest = self._log[0][0] if self._log else self.version + 1
+        if since < 0 or since > self.version or since + 1 < oldest:
+            return Sync(z, self.version, e, e, e, counts=self.counts.clone())
+        parts = self._since(since)
+        return Sync(z, self.version, *(torch.cat([p[i] for p in parts]) for i in (1, 2, 3)))
+
+    def step(self, idx, z_new, next_idx, *, since: int, worker: str = "0", seq=None) -> Sync:
+        self.commit(idx, z_new, worker=worker, seq=seq)
+        return self.sync(next_idx, since=since)
+
+
+class NumpyWireStore(StepStore):
     """The same store behind a numpy wire format: ``step_np`` takes and returns numpy
     arrays (Ray pickles a small torch tensor in ~100 us, a numpy array in ~4 us)."""
 
@@ -70,7 +93,7 @@ class NumpyWireStore(ConfusionStore):
                 s.delta_new.numpy(), None if s.counts is None else s.counts.numpy())
 
 
-class EchoStore(ConfusionStore):
+class EchoStore(StepStore):
     """Ray's floor: ``step`` takes the same arguments and answers a canned reply of the same
     size (z of next_idx, ~``deltas`` moves) without touching C or z."""
 
@@ -244,7 +267,7 @@ class Bench:
         self.load, self.zero_copy = load, zero_copy
         observed, z0 = make_store_args(load, seed)
         env = {"runtime_env": ZERO_COPY_ENV} if zero_copy else {}
-        cls = {"tensor": ConfusionStore, "numpy": NumpyWireStore, "echo": EchoStore,
+        cls = {"tensor": StepStore, "numpy": NumpyWireStore, "echo": EchoStore,
                "push": StoreActor}[load.wire]
         self.store = ray.remote(cls).options(num_cpus=0, **env).remote(
             observed, z0, load.num_classes, load.num_classes, log_capacity=4096)
@@ -272,8 +295,7 @@ class Bench:
         load, store = self.load, self.store
         if load.wire == "echo":   # as many moves as W workers changing `change` of a batch
             ray.get(store.set_reply_deltas.remote(round(workers * load.batch * load.change)))
-        version = ray.get(store.sync.remote(torch.zeros(0, dtype=torch.int64),
-                                            since=-1)).version
+        version = ray.get(store.__ray_call__.remote(lambda s: s.version))
         procs = self.procs[:workers]
         groups = [list(range(i, workers, len(procs))) for i in range(len(procs))]
         self.points += 1
@@ -307,10 +329,10 @@ class Bench:
 
 
 def inprocess_step_cost(load: Load, *, steps: int, seed: int) -> float:
-    """Seconds per ``ConfusionStore.step`` (per ``push`` of ``commit_every`` batches, with
+    """Seconds per ``StepStore.step`` (per ``push`` of ``commit_every`` batches, with
     one other worker's push in the reply) called directly (no Ray)."""
     observed, z0 = make_store_args(load, seed)
-    store = ConfusionStore(observed, z0, load.num_classes, load.num_classes)
+    store = StepStore(observed, z0, load.num_classes, load.num_classes)
     rng = np.random.default_rng(seed)
     b, n, k = load.batch, load.num_samples, load.num_classes
     if load.wire == "push":

@@ -3,28 +3,21 @@
 Modes, each run through the real ``train_one_epoch`` and ``GibbsLabeler``:
 
   ce          plain cross-entropy step (no sampler)
-  local       LCCN, ConfusionStore in this process
-  blocking    LCCN, store in a Ray actor; ``step`` waits for the reply (ray.get)
-  overlapped  LCCN, store in a Ray actor; ``step`` returns the ObjectRef and GibbsLabeler
-              resolves it just before sampling the next batch (train_one_epoch commits
-              after the optimizer step, so the round trip overlaps the next batch's
-              loading and forward pass)
-  overlapped-numpy  as overlapped, numpy arrays instead of torch tensors on the wire
-  push        LCCNConfig.commit_every = n (``--commit-every``): the real StoreActor and
-              ActorStoreClient; the labeler applies its own moves at once and sends n
-              steps' labels in one call, whose reply it takes once it has arrived
+  local       LCCN, ConfusionStore in this process (LCCNConfig.commit_every = n)
+  push        LCCN, the real StoreActor in a Ray actor and ActorStoreClient
+              (LCCNConfig.commit_every = n): the labeler applies its own moves at once and
+              sends n steps' labels in one call, whose reply it takes once it has arrived
+              (``--commit-every 1``: one call per step)
 
 Reported per mode: step time, sampler time (Eq. 7 on the batch), sync time (time the step
-spends on the store: the call itself, or waiting for an overlapped reply), their share of
+spends on the store: the calls, and waiting for a reply), their share of
 the step, and the step time over the CE step. Each measurement is one ``train_one_epoch``
 over ``--steps`` batches, which includes its epoch-boundary prefetch and flush (two
 blocking round trips); modes are interleaved and, per mode, the repetition with the
 shortest step time is kept (other processes on a small shared machine only ever add time).
-"steady store ms/step" is the median time one step spends on the store away from the epoch
-boundaries: the whole call when blocking; submit + wait in ``resolve`` when overlapped;
-for push, the mean over steps of the labeler's time in ``commit`` (own moves, buffering,
-the call every n steps) and in taking replies (the epoch-boundary pull of the whole z and C
-and the final flush left out).
+"steady store ms/step" is the mean over steps of the labeler's time in ``commit`` (own
+moves, buffering, the call every n steps) and in taking replies, away from the epoch
+boundaries (the epoch-start pull of the whole z and C and the final flush left out).
 
 With ``--ray-workers 2`` two Ray actors (one torch thread each) train side by side against
 one store actor, as two Train workers would (no DDP gradient sync), each on its own half of
@@ -32,6 +25,7 @@ the samples (as in an epoch of a real run).
 
     python benchmarks/bench_step.py                      # K = 10 and K = 1000, in-process
     python benchmarks/bench_step.py --ray-workers 2      # adds the two-worker run
+    python benchmarks/bench_step.py --commit-every 1     # one store call per step
 """
 
 from __future__ import annotations
@@ -54,7 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pipeline.core.batch import Batch  # noqa: E402
 from pipeline.core.config import LCCNConfig  # noqa: E402
-from pipeline.core.confusion_store import ConfusionStore, Sync  # noqa: E402
+from pipeline.core.confusion_store import ConfusionStore  # noqa: E402
 from pipeline.core.options import add_options
 from pipeline.core.warmup import smoothed_identity  # noqa: E402
 from pipeline.dist.store_actor import ActorStoreClient, StoreActor  # noqa: E402
@@ -62,82 +56,9 @@ from pipeline.train.labeler import GibbsLabeler  # noqa: E402
 from pipeline.train.loop import train_one_epoch  # noqa: E402
 from pipeline.train.models import build_model  # noqa: E402
 
-MODES = ("ce", "local", "blocking", "overlapped", "overlapped-numpy", "push")
+MODES = ("ce", "local", "push")
 WARMUP_STEPS = 8
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-
-
-class BlockingActorStore:
-    """The Store protocol over a Ray actor; every call waits for its reply.
-
-    ``per_step`` records, for each ``step``, the seconds the training loop spent on it
-    (the epoch-boundary ``sync`` is left out: it is a steady-state figure)."""
-
-    def __init__(self, actor) -> None:
-        self.actor = actor
-        self.per_step: list[float] = []
-
-    def sync(self, idx, *, since: int) -> Sync:
-        return ray.get(self.actor.sync.remote(idx, since=since))
-
-    def step(self, idx, z_new, next_idx, *, since: int, worker: str = "0", seq=None):
-        t0 = time.perf_counter()
-        reply = ray.get(self.actor.step.remote(idx, z_new, next_idx, since=since,
-                                               worker=worker, seq=seq))
-        self.per_step.append(time.perf_counter() - t0)
-        return reply
-
-
-class OverlappedActorStore(BlockingActorStore):
-    """``step`` returns the ObjectRef at once; GibbsLabeler calls ``resolve`` before it
-    samples the next batch. ``per_step`` = submit time + time blocked in ``resolve``."""
-
-    def __init__(self, actor) -> None:
-        super().__init__(actor)
-        self._submit = 0.0
-
-    def step(self, idx, z_new, next_idx, *, since: int, worker: str = "0", seq=None):
-        t0 = time.perf_counter()
-        ref = self.actor.step.remote(idx, z_new, next_idx, since=since, worker=worker, seq=seq)
-        self._submit = time.perf_counter() - t0
-        return ref
-
-    def resolve(self, ref) -> Sync:
-        t0 = time.perf_counter()
-        reply = ray.get(ref)
-        self.per_step.append(self._submit + time.perf_counter() - t0)
-        return reply
-
-
-class NumpyWireStore(ConfusionStore):
-    """The store behind a numpy wire format (as in bench_actor.py): ``step_np`` takes and
-    returns numpy arrays, which Ray pickles ~20x faster than small torch tensors."""
-
-    def step_np(self, idx, z_new, next_idx, *, since: int, worker: str, seq: int):
-        s = self.step(torch.from_numpy(idx), torch.from_numpy(z_new),
-                      torch.from_numpy(next_idx), since=since, worker=worker, seq=seq)
-        return (s.z.numpy(), s.version, s.delta_obs.numpy(), s.delta_old.numpy(),
-                s.delta_new.numpy(), None if s.counts is None else s.counts.numpy())
-
-
-class OverlappedNumpyStore(OverlappedActorStore):
-    """Overlapped, numpy arrays on the wire (the actor must be a NumpyWireStore)."""
-
-    def step(self, idx, z_new, next_idx, *, since: int, worker: str = "0", seq=None):
-        t0 = time.perf_counter()
-        ref = self.actor.step_np.remote(idx.numpy(), z_new.numpy(), next_idx.numpy(),
-                                        since=since, worker=worker, seq=seq)
-        self._submit = time.perf_counter() - t0
-        return ref
-
-    def resolve(self, ref) -> Sync:
-        t0 = time.perf_counter()
-        z, version, obs, old, new, counts = ray.get(ref)
-        # Ray hands numpy arrays back read-only: copy (a few hundred bytes) into tensors
-        reply = Sync(torch.tensor(z), version, torch.tensor(obs), torch.tensor(old),
-                     torch.tensor(new), None if counts is None else torch.tensor(counts))
-        self.per_step.append(self._submit + time.perf_counter() - t0)
-        return reply
 
 
 class TimedLabeler(GibbsLabeler):
@@ -222,8 +143,8 @@ class Runner:
     """A model, optimizer, batches and one labeler per LCCN mode; ``run(mode)`` trains
     ``setup.steps`` batches and returns train_one_epoch's dict."""
 
-    def __init__(self, setup: Setup, images: torch.Tensor, *, store_actor=None,
-                 push_actor=None, worker: int = 0, share: tuple[int, int] = (0, 1),
+    def __init__(self, setup: Setup, images: torch.Tensor, *, push_actor=None,
+                 worker: int = 0, share: tuple[int, int] = (0, 1),
                  threads: int | None = None) -> None:
         if threads is not None:
             torch.set_num_threads(threads)
@@ -237,31 +158,20 @@ class Runner:
         self.worker = worker
         self.share = share   # (i, W): this worker trains on samples i, i + W, ...
         self.labelers: dict[str, GibbsLabeler] = {}
-        cfg = LCCNConfig(commit_every=1)   # the per-step modes; "push" sets its own
+        cfg = LCCNConfig(commit_every=setup.commit_every)
         phi = smoothed_identity(k, k)
         max_steps = 10 * setup.steps
-        if store_actor is None:  # in-process: the local store only
+        if push_actor is None:  # in-process: the local store only
             store = ConfusionStore(self.observed, self.observed.clone(), k, k)
-            self.labelers["local"] = GibbsLabeler(
+            self.labelers["local"] = TimedLabeler(
                 cfg, store, store.counts, store.version, phi_init=phi, max_steps=max_steps,
                 generator=torch.Generator().manual_seed(1), worker=str(worker))
-        if store_actor is not None:
-            first = ray.get(store_actor.sync.remote(torch.zeros(0, dtype=torch.int64), since=-1))
-            for mode, proxy in (("blocking", BlockingActorStore(store_actor)),
-                                ("overlapped", OverlappedActorStore(store_actor)),
-                                ("overlapped-numpy", OverlappedNumpyStore(store_actor))):
-                self.labelers[mode] = GibbsLabeler(
-                    cfg, proxy, first.counts, first.version, phi_init=phi, max_steps=max_steps,
-                    generator=torch.Generator().manual_seed(2 + worker),
-                    # one id per labeler: the store drops a commit whose seq is not newer
-                    # than the last one seen under the same id (its retry protection)
-                    worker=f"{worker}-{mode}")
         if push_actor is not None:
             client = ActorStoreClient(push_actor)
             client.join()
             counts, version = client.snapshot()
             self.labelers["push"] = TimedLabeler(
-                LCCNConfig(commit_every=setup.commit_every), client, counts, version,
+                cfg, client, counts, version,
                 phi_init=phi, max_steps=max_steps,
                 generator=torch.Generator().manual_seed(2 + worker), worker=f"{worker}-push")
 
@@ -279,14 +189,10 @@ class Runner:
 
     def run(self, mode: str, steps: int | None = None) -> dict[str, float]:
         labeler = None if mode == "ce" else self.labelers[mode]
-        proxy = getattr(labeler, "store", None)
-        if hasattr(proxy, "per_step"):
-            proxy.per_step.clear()
         out = train_one_epoch(self.model, self.batches(steps), self.opt, labeler=labeler,
                               num_classes=self.setup.num_classes)
-        calls = getattr(proxy, "per_step", None)
-        out["store_p50"] = statistics.median(calls) if calls else float("nan")
-        if isinstance(labeler, TimedLabeler):   # most steps make no call: the mean
+        out["store_p50"] = float("nan")
+        if labeler is not None:   # most steps make no call: the mean
             out["store_p50"] = statistics.fmean(labeler.per_step)
             labeler.per_step.clear()
         return out
@@ -296,10 +202,10 @@ class Runner:
 class RayWorker:
     """One simulated Train worker (own process, one torch thread)."""
 
-    def __init__(self, setup: Setup, images: torch.Tensor, store_actor, push_actor,
-                 worker: int, share: tuple[int, int]) -> None:
-        self.runner = Runner(setup, images, store_actor=store_actor, push_actor=push_actor,
-                             worker=worker, share=share, threads=1)
+    def __init__(self, setup: Setup, images: torch.Tensor, push_actor, worker: int,
+                 share: tuple[int, int]) -> None:
+        self.runner = Runner(setup, images, push_actor=push_actor, worker=worker, share=share,
+                             threads=1)
 
     def run(self, mode: str, steps: int | None = None) -> dict[str, float]:
         return self.runner.run(mode, steps)
@@ -345,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads in this process (1 leaves a core to Ray and the actor)")
     p.add_argument("--ray-workers", type=int, default=0,
-                   help="also run blocking/overlapped with this many Ray worker actors")
-    add_options(p, ("--commit-every",), notes={"--commit-every": "of the push mode"})
+                   help="also run the push mode with this many Ray worker actors")
+    add_options(p, ("--commit-every",), notes={"--commit-every": "of the LCCN modes"})
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
                    help="modes to measure (ce is always measured: the reference)")
     p.add_argument("--num-cpus", type=int, default=2)
@@ -368,17 +274,13 @@ def main(argv: list[str] | None = None) -> int:
         for k, n in zip(args.classes, args.samples):
             setup = Setup(k, n, args.batch, args.steps, args.seed, args.commit_every)
             observed = make_labels(setup)
-            actor = ray.remote(NumpyWireStore).options(num_cpus=0).remote(
-                observed, observed.clone(), k, k, log_capacity=8192)
             push_actor = ray.remote(StoreActor).options(num_cpus=0).remote(
                 observed, observed.clone(), k, k)
             ray.get(push_actor.open.remote(None))
             local = Runner(setup, images)
-            remote = Runner(setup, images, store_actor=actor, push_actor=push_actor)
+            remote = Runner(setup, images, push_actor=push_actor)
             remote.model, remote.opt = local.model, local.opt   # one model for all modes
-            run = {"ce": local.run, "local": local.run, "blocking": remote.run,
-                   "overlapped": remote.run, "overlapped-numpy": remote.run,
-                   "push": remote.run}
+            run = {"ce": local.run, "local": local.run, "push": remote.run}
             modes = ["ce", *(m for m in args.modes if m != "ce")]
             results: dict[str, list[dict]] = {m: [] for m in modes}
             for rep in range(args.reps + 1):          # rep 0 warms up and is dropped
@@ -386,14 +288,14 @@ def main(argv: list[str] | None = None) -> int:
                     r = run[mode](mode, None if rep else WARMUP_STEPS)
                     if rep:
                         results[mode].append(r)
-            title = (f"K = {k}, N = {n}, batch {args.batch}, push commit_every "
+            title = (f"K = {k}, N = {n}, batch {args.batch}, commit_every "
                      f"{args.commit_every}, {args.steps} steps x "
                      f"{args.reps} reps, in-process, torch threads {torch.get_num_threads()}")
             tables.append(fmt(title, summarise(results)))
             print(tables[-1] + "\n", flush=True)
 
             if args.ray_workers:
-                workers = [RayWorker.remote(setup, images, actor, push_actor, 1 + i,
+                workers = [RayWorker.remote(setup, images, push_actor, 1 + i,
                                             (i, args.ray_workers))   # 0 = this process
                            for i in range(args.ray_workers)]
                 results = {m: [] for m in modes if m != "local"}
@@ -405,18 +307,17 @@ def main(argv: list[str] | None = None) -> int:
                             results[mode].extend(outs)
                 for w in workers:
                     ray.kill(w)
-                title = (f"K = {k}, push commit_every {args.commit_every}: "
+                title = (f"K = {k}, commit_every {args.commit_every}: "
                          f"{args.ray_workers} Ray worker actors (1 torch thread each) "
                          f"sharing one store actor, per-worker figures")
                 tables.append(fmt(title, summarise(results)))
                 print(tables[-1] + "\n", flush=True)
-            for a in (actor, push_actor):
-                ray.get(a.check.remote())            # C still equals the recount of z
-                dups = ray.get(a.__ray_call__.remote(lambda store: store.duplicates))
-                if dups:
-                    raise RuntimeError(f"the store dropped {dups} commits as duplicates: two "
-                                       f"labelers shared a worker id")
-                ray.kill(a)
+            ray.get(push_actor.check.remote())            # C still equals the recount of z
+            dups = ray.get(push_actor.__ray_call__.remote(lambda store: store.duplicates))
+            if dups:
+                raise RuntimeError(f"the store dropped {dups} commits as duplicates: two "
+                                   f"labelers shared a worker id")
+            ray.kill(push_actor)
     finally:
         ray.shutdown()
     footer = (f"machine: {platform.machine()}, {os.cpu_count()} cores, torch "

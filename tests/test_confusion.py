@@ -94,25 +94,43 @@ def test_trusted_samples_are_never_counted():
     store.check()
 
 
-def test_incremental_sync_rebuilds_a_replica_exactly():
+def test_push_replies_rebuild_a_replica_exactly():
+    """A pull (an empty push) brings the other workers' moves since the caller's version:
+    the payload grows with their batches; too far behind the log, the whole C comes back."""
     gen = torch.Generator().manual_seed(2)
     n, k = 500, 4
     obs = torch.randint(0, k, (n,), generator=gen)
     store = ConfusionStore(obs, obs.clone(), k, k, log_capacity=8)
     replica, version = store.counts.clone(), store.version
+    empty = torch.empty(0, dtype=torch.int64)
+
+    def pull(since: int):
+        before = store.version
+        s = store.push(empty, empty, since=since, worker="a", seq=99, steps=0)
+        assert s.z.numel() == 0 and store.version == before  # a pull commits nothing
+        if s.counts is not None:
+            replica.copy_(s.counts)
+        else:
+            apply_delta_(replica, s.delta_obs, s.delta_old, s.delta_new)
+        return s
+
     for i in range(5):
-        store.commit(torch.arange(i * 10, i * 10 + 10), torch.randint(0, k, (10,), generator=gen))
-    s = store.sync(torch.arange(3), since=version)
-    assert s.counts is None and s.delta_obs.numel() <= 50  # payload grows with the batch
-    s.apply_to(replica)
+        store.commit(torch.arange(i * 10, i * 10 + 10), torch.randint(0, k, (10,), generator=gen),
+                     worker="b", seq=i)
+    s = pull(version)
+    assert s.counts is None and s.delta_obs.numel() <= 50 and s.others == 5
     assert torch.equal(replica, store.counts)
     # too far behind the log: a full copy comes back
     for i in range(20):
-        store.commit(torch.arange(10), torch.randint(0, k, (10,), generator=gen))
-    s = store.sync(torch.arange(3), since=s.version)
-    assert s.counts is not None
-    s.apply_to(replica)
+        store.commit(torch.arange(10), torch.randint(0, k, (10,), generator=gen), worker="b",
+                     seq=5 + i)
+    s = pull(s.version)
+    assert s.counts is not None and s.others == -1
     assert torch.equal(replica, store.counts)
+    # the caller's own commits are left out of its replies (it applied them itself)
+    store.commit(torch.arange(20, 30), torch.full((10,), 3), worker="a", seq=1)
+    s = pull(store.version - 1)
+    assert s.others == 0 and s.counts is None and s.delta_obs.numel() == 0
 
 
 def test_state_dict_round_trip_and_corruption_detected():
@@ -240,6 +258,7 @@ def test_refresh_steps_samples_against_the_counts_of_the_last_refresh(path):
         if path == "device_core":
             lab._draw = gibbs_draw
         lab.step_count = step_count
+        lab.seq = store.last_seq.get(lab.worker, -1) + 1  # as LocalChain resumes it
         return lab
 
     labeler = make()
@@ -252,7 +271,7 @@ def test_refresh_steps_samples_against_the_counts_of_the_last_refresh(path):
             labeler.prefetch(b)
         now = store.counts.to(torch.float64)
         current = (now + alpha) / (now + alpha).sum(1, keepdim=True)
-        if s >= warm and ((s - warm) % every == 0 or s == 7):
+        if s >= warm and (s - (warm if s < 7 else 7)) % every == 0:  # 7: the resume
             phi = current
         cond = labeler.conditional(obs[b], b)
         z, stats = labeler.sample(probs[b], obs[b], b)
@@ -261,12 +280,13 @@ def test_refresh_steps_samples_against_the_counts_of_the_last_refresh(path):
         else:
             expect_cond = phi.T[obs[b]]
             taken.append(labeler._phi_snap_step)
-        torch.testing.assert_close(cond, expect_cond)
+        torch.testing.assert_close(cond, expect_cond, msg=lambda m: f"step {s}: {m}")
         expect = probs[b] * expect_cond
         torch.testing.assert_close(stats.posterior.cpu(), expect / expect.sum(1, keepdim=True))
         labeler.commit(b, z, nxt)
     # refreshed at 2, 5 and (the resume) 7, 10; the counts moved in between
     assert sorted(set(taken)) == [2, 5, 7, 10]
+    assert store.duplicates == 0 and store.steps == len(batches)
     store.check()
     with pytest.raises(ValueError, match="refresh_steps must be an integer >= 1"):
         LCCNConfig(refresh_steps=0)

@@ -71,8 +71,8 @@ def test_commit_with_old_fence_is_refused_and_changes_nothing():
     new = store.open(None)
     before = store.state_dict()
     with pytest.raises(FenceError):
-        store.step(torch.tensor([0]), torch.tensor([1]), torch.tensor([1]), since=0,
-                   worker="w", seq=0, fence=old)
+        store.push(torch.tensor([0]), torch.tensor([1]), since=0, worker="w", seq=0,
+                   fence=old)
     assert torch.equal(store.counts, before["counts"]) and store.version == 0
     assert store.refused == 1
     store.commit(torch.tensor([0]), torch.tensor([1]), worker="w", seq=0, fence=new)
@@ -116,7 +116,7 @@ def test_load_state_dict_rejects_other_split_and_corrupt_counts():
 
 def test_labeler_over_client_matches_direct_store():
     """GibbsLabeler through LocalStoreClient (fenced, one call per step) keeps the replica
-    equal to C."""
+    equal to C, and the store commits once per step."""
     k, n = 4, 64
     g = torch.Generator().manual_seed(0)
     observed = torch.randint(0, k, (n,), generator=g)
@@ -873,18 +873,25 @@ def test_one_worker_killed_mid_epoch_resumes_bit_identical(ray_cluster, tmp_path
     assert ref["store"]["refused"] == 0 and hit["store"]["opened"] == 2
 
 
-def test_packed_wire_format_round_trips_a_step():
-    """The Ray client sends numpy arrays (step_packed) and rebuilds a Sync from the reply."""
+def test_packed_wire_format_round_trips_a_push():
+    """The Ray client sends numpy arrays (push_packed) and rebuilds a Sync from the reply:
+    the other worker's moves, and the whole z on request."""
     from pipeline.dist.store_actor import StoreActor, unpack_sync
 
     obs = torch.tensor([0, 1, 2, 0, 1, 2])
     a, b = StoreActor(obs, obs.clone(), 3, 3), StoreActor(obs, obs.clone(), 3, 3)
     fa, fb = a.open(None), b.open(None)
-    want = a.step(torch.tensor([0, 1]), torch.tensor([2, 0]), torch.tensor([3, 4]), since=0,
-                  worker="w", seq=0, fence=fa)
-    got = unpack_sync(b.step_packed(np.array([0, 1]), np.array([2, 0]), np.array([3, 4]),
-                                    since=0, worker="w", seq=0, fence=fb))
-    assert got.version == want.version and got.counts is None
-    for name in ("z", "delta_obs", "delta_old", "delta_new"):
-        assert torch.equal(getattr(got, name), getattr(want, name)), name
-    assert torch.equal(a.counts, b.counts)
+    for store, fence in ((a, fa), (b, fb)):   # another worker's commit, to be sent back
+        store.commit(torch.tensor([5]), torch.tensor([0]), worker="x", seq=0, fence=fence)
+    for seq, full_z in enumerate((False, True)):
+        want = a.push(torch.tensor([0, 1]), torch.tensor([2, 0]), since=0, worker="w",
+                      seq=seq, full_z=full_z, fence=fa)
+        got = unpack_sync(b.push_packed(np.array([0, 1], dtype=np.int32),
+                                        np.array([2, 0], dtype=np.int16), since=0,
+                                        worker="w", seq=seq, full_z=full_z, fence=fb))
+        assert got.version == want.version and got.others == want.others == 1
+        assert got.counts is None and want.counts is None
+        for name in ("z", "delta_obs", "delta_old", "delta_new"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        assert got.z.dtype == torch.int64 and got.z.numel() == (6 if full_z else 0)
+        assert torch.equal(a.counts, b.counts) and torch.equal(a.z, b.z)

@@ -32,7 +32,7 @@ def _restart(store: StoreActor) -> None:
     store.__init__(*_args(len(store), store.num_classes))
 
 
-@pytest.mark.parametrize("call", ["check_state", "snapshot", "sync", "get_meta", "set_meta",
+@pytest.mark.parametrize("call", ["check_state", "snapshot", "push", "get_meta", "set_meta",
                                   "commit"])
 def test_every_chain_call_is_refused_after_a_restart(call):
     store = StoreActor(*_args())
@@ -42,10 +42,12 @@ def test_every_chain_call_is_refused_after_a_restart(call):
     assert client.check_state()["version"] == 1
     _restart(store)
     args = {"check_state": (), "snapshot": (), "get_meta": ("k",), "set_meta": ("k", 1),
-            "sync": (torch.tensor([0]),),
+            "push": (torch.tensor([0]), torch.tensor([1])),
             "commit": (torch.tensor([0]), torch.tensor([1]))}[call]
-    kwargs = {"sync": {"since": 0}, "commit": {"worker": "w", "seq": 1}}.get(call, {})
-    with pytest.raises(FenceError, match=f"{call} with fence .* refused.*restarted"):
+    kwargs = {"push": {"since": 0, "worker": "w", "seq": 1},
+              "commit": {"worker": "w", "seq": 1}}.get(call, {})
+    what = "commit" if call == "push" else call  # a push is a commit
+    with pytest.raises(FenceError, match=f"{what} with fence .* refused.*restarted"):
         getattr(client, call)(*args, **kwargs)
     assert store.refused == 1 and store.version == 0
 
@@ -109,22 +111,21 @@ def test_counters_survive_a_restart_through_the_checkpoint():
     store = StoreActor(*_args())
     fence = store.open(None)
     for seq in range(5):
-        store.step(torch.tensor([seq]), torch.tensor([1]), torch.tensor([0]), since=0,
-                   worker="w", seq=seq, fence=fence)
+        store.push(torch.tensor([seq]), torch.tensor([1]), since=0, worker="w", seq=seq,
+                   fence=fence)
     store.commit(torch.tensor([0]), torch.tensor([1]), worker="w", seq=4, fence=fence)  # retry
     saved = store.check_state()
     assert saved["counters"]["calls"] == 5 and saved["counters"]["duplicates"] == 1
     _restart(store)
     with pytest.raises(FenceError):  # the running group's next commit, refused
-        store.step(torch.tensor([6]), torch.tensor([1]), torch.tensor([0]), since=0,
-                   worker="w", seq=5, fence=fence)
+        store.push(torch.tensor([6]), torch.tensor([1]), since=0, worker="w", seq=5,
+                   fence=fence)
     fence = store.open(saved)
     st = store.stats()
     assert (st["calls"], st["duplicates"], st["opened"], st["refused"], st["restored"]) == \
         (6, 1, 2, 1, 1)
     # a worker-group restart with the actor alive keeps the live (larger) counts
-    store.step(torch.tensor([7]), torch.tensor([1]), torch.tensor([0]), since=0, worker="x",
-               seq=0, fence=fence)
+    store.push(torch.tensor([7]), torch.tensor([1]), since=0, worker="x", seq=0, fence=fence)
     store.open(saved)
     st = store.stats()
     assert (st["calls"], st["opened"], st["restored"]) == (7, 3, 1)
@@ -178,8 +179,8 @@ def test_real_actor_kill_fences_control_calls_and_keeps_counters(ray_local):
     client = ActorStoreClient(handle)
     client.open(None)
     for seq in range(3):
-        client.resolve(client.step(torch.tensor([seq]), torch.tensor([3]), torch.tensor([0]),
-                                   since=0, worker="w", seq=seq))
+        client.resolve(client.push(torch.tensor([seq]), torch.tensor([3]), since=0,
+                                   worker="w", seq=seq))
     saved = client.check_state()
     assert saved["version"] == 3 and saved["counters"]["calls"] == 3
     client.kill()

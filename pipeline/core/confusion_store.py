@@ -4,15 +4,12 @@ A plain class. In one process the trainer calls it directly; in a distributed ru
 wraps it with ``ray.remote`` (from the driver) and every Train worker talks to that one
 actor. The protocol is built for that:
 
-- one call per step, :meth:`ConfusionStore.step`, commits the batch just sampled and
-  fetches what the worker needs for its next batch (their current ``z``) plus the count
-  deltas other workers applied since the worker's last sync: the payload grows with the
-  batch, not with ``K²``;
-- or one call per *several* steps, :meth:`ConfusionStore.push`: the worker keeps ``z`` of
-  its own samples and applies its own moves to its replica at once, sends the labels of
-  ``steps`` batches in one commit and gets back only the deltas of the *other* workers
-  (its own are left out: it already has them), optionally with the whole ``z`` (once per
-  epoch, to start the epoch from the store's state);
+- one call per ``LCCNConfig.commit_every`` steps, :meth:`ConfusionStore.push`: the worker
+  keeps ``z`` of its own samples and applies its own moves to its replica at once, sends
+  the labels of ``steps`` batches in one commit and gets back only the count deltas of the
+  *other* workers since its last reply (its own are left out: it already has them), so
+  the payload grows with the batches, not with ``K²``; once per epoch the reply carries the
+  whole ``z`` and C, to start the epoch from the store's state;
 - a commit carries ``(worker, seq)``; a retried or replayed commit (``seq`` not newer than
   the last one applied for that worker) is ignored, and the delta itself is computed from
   the stored ``z`` so applying the same assignment twice moves nothing: every delta is
@@ -42,15 +39,15 @@ from pipeline.core.confusion import (
 
 @dataclass(frozen=True)
 class Sync:
-    """What a worker gets back from :meth:`ConfusionStore.step` / :meth:`ConfusionStore.sync`.
+    """What a worker gets back from :meth:`ConfusionStore.push`.
 
-    z: (B,) int64 current latent labels of the requested samples.
+    z: (N,) int64 the whole current z when the push asked for it (``full_z``), else empty.
     version: the store's version after this call (number of commits applied).
     delta_obs, delta_old, delta_new: (D,) int64 moves ``[old, obs] -> [new, obs]`` applied
         since the caller's ``since`` version, in order; or ``counts`` (K_latent, K) when the
         caller is too far behind for the log (then the delta arrays are empty).
     others: training steps of other workers carried by the deltas (what the caller's
-        replica had not seen: its staleness); -1 when unknown (:meth:`ConfusionStore.sync`).
+        replica had not seen: its staleness); -1 when unknown (the whole counts sent).
     """
 
     z: Tensor
@@ -60,14 +57,6 @@ class Sync:
     delta_new: Tensor
     counts: Tensor | None = None
     others: int = -1
-
-    def apply_to(self, local_counts: Tensor) -> Tensor:
-        """Bring a worker's replica of C up to ``version`` in place."""
-        if self.counts is not None:
-            local_counts.copy_(self.counts)
-        elif self.delta_obs.numel():
-            apply_delta_(local_counts, self.delta_obs, self.delta_old, self.delta_new)
-        return local_counts
 
 
 class ConfusionStore:
@@ -155,21 +144,6 @@ class ConfusionStore:
         self._log.append((self.version, obs, old, new, worker, int(steps)))
         return self.version
 
-    def sync(self, idx: Tensor, *, since: int) -> Sync:
-        """Current ``z[idx]`` and the count deltas applied after version ``since``."""
-        idx = torch.as_tensor(idx, dtype=torch.int64)
-        z = self.z[idx].clone()
-        if since == self.version:
-            e = torch.empty(0, dtype=torch.int64)
-            return Sync(z, self.version, e, e, e)
-        oldest = self._log[0][0] if self._log else self.version + 1
-        if since < 0 or since > self.version or since + 1 < oldest:
-            e = torch.empty(0, dtype=torch.int64)
-            return Sync(z, self.version, e, e, e, counts=self.counts.clone())
-        parts = self._since(since)
-        return Sync(z, self.version, torch.cat([p[1] for p in parts]),
-                    torch.cat([p[2] for p in parts]), torch.cat([p[3] for p in parts]))
-
     def _since(self, since: int) -> list:
         """The log entries after version ``since``, oldest first (walks only those)."""
         out = []
@@ -179,12 +153,6 @@ class ConfusionStore:
             out.append(entry)
         out.reverse()
         return out
-
-    def step(self, idx: Tensor, z_new: Tensor, next_idx: Tensor, *, since: int,
-             worker: str = "0", seq: int | None = None) -> Sync:
-        """Commit a batch and sync for the next one in a single call (one round trip)."""
-        self.commit(idx, z_new, worker=worker, seq=seq)
-        return self.sync(next_idx, since=since)
 
     def push(self, idx: Tensor, z_new: Tensor, *, since: int, worker: str, seq: int,
              steps: int = 1, full_z: bool = False) -> Sync:

@@ -16,7 +16,7 @@ got; a commit with another fence is refused with :class:`FenceError`. So
   the next commit of the running group fails with :class:`FenceError`, the group fails,
   restarts from the last checkpoint, and ``open`` restores C and z from it.
 
-Every call that reads or writes the chain state (``commit``/``step``, ``sync``, ``snapshot``,
+Every call that reads or writes the chain state (``commit``, ``push``, ``snapshot``,
 ``check_state``, ``set_meta``/``get_meta``) takes the fence too: a worker group never reads
 a restarted actor's fresh state (``version 0``, z = the observed labels) as if it were its
 own, e.g. rank 0 reading the state to checkpoint right after the actor died would otherwise
@@ -33,15 +33,15 @@ Together with the ``(worker, seq)`` de-duplication of :meth:`ConfusionStore.comm
 call is applied once) every delta is applied exactly once relative to the checkpoint the
 run resumed from: commits after it are discarded with the model steps that made them.
 
-With ``LCCNConfig.commit_every > 1`` a worker sends several steps' labels per call
+A worker sends ``LCCNConfig.commit_every`` steps' labels per call
 (:meth:`StoreActor.push_packed`, one ``seq`` and one fence check per call) and the store
 counts the steps it applied (``steps`` in the state): one per LCCN step and rank plus the
 initial assignments, whatever the calls, when nothing was lost or applied twice.
 
 Clients (the ``Store`` protocol of :mod:`pipeline.train.labeler` plus the control calls):
 :class:`LocalStoreClient` calls a StoreActor in this process; :class:`ActorStoreClient` calls
-the Ray actor: ``step`` returns the ObjectRef at once and ``resolve`` waits for it, so the
-round trip overlaps the backward pass and the next forward.
+the Ray actor: ``push`` returns the ObjectRef at once, ``done`` says whether the reply has
+arrived and ``resolve`` waits for it, so the round trip overlaps the next steps.
 """
 
 from __future__ import annotations
@@ -121,11 +121,6 @@ class StoreActor(ConfusionStore):
         self._check_fence(fence, "snapshot")
         return self.counts.clone(), self.version
 
-    def sync(self, idx: Tensor, *, since: int, fence: str | None = None) -> Sync:
-        """:meth:`ConfusionStore.sync`, refused with :class:`FenceError` on a stale fence."""
-        self._check_fence(fence, "sync")
-        return super().sync(idx, since=since)
-
     def set_meta(self, key: str, value: Any, *, fence: str | None = None) -> None:
         self._check_fence(fence, "set_meta")
         self.meta[key] = value
@@ -141,7 +136,7 @@ class StoreActor(ConfusionStore):
     def stats(self) -> dict[str, float]:
         """``version`` and the counters: ``duplicates`` (retried commits ignored),
         ``refused`` (fenced-off calls), ``opened``, ``calls``, ``busy_s`` (seconds spent in
-        commit/sync: the actor's load; near wall time = saturated) and ``restored`` (times
+        commit/push: the actor's load; near wall time = saturated) and ``restored`` (times
         an actor process took over a checkpoint's counters: re-submissions and actor
         restarts). Not fenced: read-only."""
         return {"version": float(self.version), **self.counters()}
@@ -169,35 +164,13 @@ class StoreActor(ConfusionStore):
         self._check_fence(fence)
         return super().commit(idx, z_new, worker=worker, seq=seq, steps=steps)
 
-    def step(self, idx: Tensor, z_new: Tensor, next_idx: Tensor, *, since: int,
-             worker: str = "0", seq: int | None = None, fence: str | None = None) -> Sync:
-        t0 = time.perf_counter()
-        try:
-            self.commit(idx, z_new, worker=worker, seq=seq, fence=fence)
-            return ConfusionStore.sync(self, next_idx, since=since)
-        finally:
-            self.calls += 1
-            self.busy_s += time.perf_counter() - t0
-
-    def step_packed(self, idx: np.ndarray, z_new: np.ndarray, next_idx: np.ndarray, *,
-                    since: int, worker: str = "0", seq: int | None = None,
-                    fence: str | None = None) -> tuple:
-        """:meth:`step` with numpy arrays on the wire (cheaper to pickle than small torch
-        tensors: measured ~2x less store time per step in benchmarks/results/step.md).
-        Returns :func:`pack_sync` of the reply."""
-        sync = self.step(_tensor(idx), _tensor(z_new),
-                         _tensor(next_idx), since=since, worker=worker, seq=seq,
-                         fence=fence)
-        return pack_sync(sync, labels=max(self.k_latent, self.num_classes))
-
-
     def push(self, idx: Tensor, z_new: Tensor, *, since: int, worker: str, seq: int,
              steps: int = 1, full_z: bool = False, fence: str | None = None) -> Sync:
         """:meth:`ConfusionStore.push` (several steps' labels in one commit, the other
         workers' deltas back), refused with :class:`FenceError` on a stale fence."""
         t0 = time.perf_counter()
         try:
-            self._check_fence(fence)
+            self._check_fence(fence)  # a push is a commit
             return ConfusionStore.push(self, idx, z_new, since=since, worker=worker, seq=seq,
                                        steps=steps, full_z=full_z)
         finally:
@@ -225,8 +198,8 @@ def _label_dtype(labels: int) -> type:
 
 
 def pack_sync(sync: Sync, *, labels: int | None = None) -> tuple:
-    """A :class:`Sync` as a tuple of numpy arrays and ints (the wire format of step_packed
-    and push_packed). With ``labels`` (the number of classes) ``z`` and the moves travel as
+    """A :class:`Sync` as a tuple of numpy arrays and ints (the wire format of
+    push_packed). With ``labels`` (the number of classes) ``z`` and the moves travel as
     int16 (or int32) and the counts as int32: 4 to 8x less to pickle and send."""
     counts = None if sync.counts is None else sync.counts.numpy()
     arrays = [sync.z.numpy(), sync.delta_obs.numpy(), sync.delta_old.numpy(),
@@ -276,14 +249,6 @@ class LocalStoreClient:
         self.fence = fence
         return fence
 
-    def sync(self, idx: Tensor, *, since: int) -> Sync:
-        return self.store.sync(idx, since=since, fence=self.fence)
-
-    def step(self, idx: Tensor, z_new: Tensor, next_idx: Tensor, *, since: int,
-             worker: str = "0", seq: int | None = None) -> Any:
-        return self.store.step(idx, z_new, next_idx, since=since, worker=worker, seq=seq,
-                               fence=self.fence)
-
     def push(self, idx: Tensor, z_new: Tensor, *, since: int, worker: str, seq: int,
              steps: int = 1, full_z: bool = False) -> Any:
         return self.store.push(idx, z_new, since=since, worker=worker, seq=seq, steps=steps,
@@ -317,7 +282,7 @@ class LocalStoreClient:
 class ActorStoreClient(LocalStoreClient):
     """A worker's view of the Ray actor holding a :class:`StoreActor`.
 
-    Control calls block (``ray.get``); :meth:`step` returns the ObjectRef without waiting
+    Control calls block (``ray.get``); :meth:`push` returns the ObjectRef without waiting
     and :meth:`resolve` waits for it. ``resolve`` of a refused commit raises the actor's
     :class:`FenceError` (wrapped by Ray), which fails the worker and so the group.
     """
@@ -342,15 +307,6 @@ class ActorStoreClient(LocalStoreClient):
             raise FenceError("the store has not been opened by rank 0")
         self.fence = fence
         return fence
-
-    def sync(self, idx: Tensor, *, since: int) -> Sync:
-        return self._get(self.store.sync.remote(idx, since=since, fence=self.fence))
-
-    def step(self, idx: Tensor, z_new: Tensor, next_idx: Tensor, *, since: int,
-             worker: str = "0", seq: int | None = None) -> Any:
-        return self.store.step_packed.remote(idx.numpy(), z_new.numpy(), next_idx.numpy(),
-                                             since=since, worker=worker, seq=seq,
-                                             fence=self.fence)
 
     def push(self, idx: Tensor, z_new: Tensor, *, since: int, worker: str, seq: int,
              steps: int = 1, full_z: bool = False) -> Any:

@@ -1,26 +1,28 @@
 """The per-worker side of LCCN: sample a batch's latent labels against a replica of C.
 
-:class:`GibbsLabeler` keeps a local replica of the global counts and the current ``z`` of
-the batch it is about to sample; a *store* (the :class:`~pipeline.core.confusion_store.ConfusionStore`
-itself in one process, or a proxy to the Ray actor that holds it) answers one ``step`` call
-per batch that commits the sampled labels and syncs the replica for the next batch.
+:class:`GibbsLabeler` keeps a local replica of the global counts and its own copy of ``z``;
+a *store* (the :class:`~pipeline.core.confusion_store.ConfusionStore` itself in one process,
+or a proxy to the Ray actor that holds it) takes the sampled labels and answers with what
+the replica misses. There is one protocol, :meth:`ConfusionStore.push`:
+
+- at the start of an epoch (:meth:`GibbsLabeler.prefetch`) the labeler sends what it has
+  buffered and takes the store's whole ``z`` and C (the replica starts the epoch exact);
+- in the epoch every sample belongs to one worker, so ``z_old`` of its next batches is its
+  own copy, and it applies its own moves to its replica as it makes them (Eq. 7 of the next
+  batch sees them at once, as in a one-process chain);
+- every ``LCCNConfig.commit_every`` steps it sends the buffered labels in one call, whose
+  reply (taken once it has arrived, or before the next send, or at
+  :meth:`GibbsLabeler.flush`) brings the other workers' moves.
 
 Per step::
 
-    z_old, C_local  (from the previous sync)
+    z_old = own copy of z[idx];   C_local = replica (own moves applied, others' as received)
     z_new = Eq. 7 (probs, observed, z_old, C_local)        or phi_init during warm-up
-    store.step(idx, z_new, next_idx)  ->  z_old of next batch + count deltas since last sync
+    apply own moves to C_local and z;  every n steps: store.push(buffered labels)
 
-Staleness = commits applied by the store that the replica had not seen when it sampled
-(0 with one worker). Trusted samples (LCCN+) keep their clean label and send no count.
-
-With ``LCCNConfig.commit_every = n > 1`` the labeler calls the store once every ``n`` steps
-instead (:meth:`ConfusionStore.push`): at the start of an epoch (:meth:`GibbsLabeler.prefetch`)
-it takes the store's whole ``z`` and C; in the epoch every sample belongs to one worker, so
-``z_old`` of its next batches is its own copy, and it applies its own moves to its replica
-as it makes them; every ``n`` steps it sends the buffered labels in one call, whose reply
-(awaited when it has arrived, or at :meth:`GibbsLabeler.flush`) brings the other workers'
-moves. Staleness is then the number of the other workers' steps in that reply.
+Staleness = the other workers' steps whose moves a reply brought (0 with one worker: in
+one process the replica is C exactly at every step, whatever ``commit_every``). Trusted
+samples (LCCN+) keep their clean label and send no count.
 """
 
 from __future__ import annotations
@@ -52,14 +54,10 @@ from pipeline.train.fastpath import to_device
 
 
 class Store(Protocol):
-    """The in-process ConfusionStore, or a proxy to the actor holding it. ``step`` may
+    """The in-process ConfusionStore, or a proxy to the actor holding it. ``push`` may
     return a :class:`Sync` or a handle that ``resolve`` turns into one (so the round trip
-    overlaps the backward pass and the next forward)."""
+    overlaps the next steps); a proxy may offer ``done(handle)`` (has the reply arrived?)."""
 
-    def sync(self, idx: Tensor, *, since: int) -> Sync: ...
-    def step(self, idx: Tensor, z_new: Tensor, next_idx: Tensor, *, since: int,
-             worker: str = "0", seq: int | None = None) -> Any: ...
-    # commit_every > 1 only:
     def push(self, idx: Tensor, z_new: Tensor, *, since: int, worker: str, seq: int,
              steps: int = 1, full_z: bool = False) -> Any: ...
     def layout(self) -> tuple[Tensor, Tensor]: ...
@@ -143,11 +141,10 @@ class GibbsLabeler:
         self.seq = 0
         self.step_count = 0
         self._pending: tuple[Tensor, Tensor] | None = None  # (idx, z_old) of the next batch
-        # (reply, next_idx, version when sent, is a push)
-        self._inflight: tuple[Any, Tensor | None, int, bool] | None = None
+        self._inflight: Any = None  # the reply of the push in flight (a Sync or a handle)
         self._staleness = 0
-        # commit_every > 1: the store's z and layout, the buffered (idx, z_new) of the steps
-        # not sent yet, and the moves applied to the replica since the last push was sent
+        # the store's z and layout, the buffered (idx, z_new) of the steps not sent yet, and
+        # the moves applied to the replica since the last push was sent
         self.commit_every = int(getattr(cfg, "commit_every", 1))
         self._z: Tensor | None = None
         self._observed: Tensor | None = None
@@ -203,14 +200,9 @@ class GibbsLabeler:
         return self._phi_snap
 
     def prefetch(self, idx: Tensor) -> None:
-        """Sync ``z`` of the first batch (and the replica) before the first :meth:`sample`.
-
-        With ``commit_every > 1`` (the start of an epoch): send what is buffered and take the
+        """Before the first :meth:`sample` of an epoch: send what is buffered and take the
         store's whole ``z`` and C (the replica starts the epoch exact)."""
         self._resolve(wait=True)
-        if self.commit_every == 1:
-            self._absorb(self.store.sync(idx, since=self.version), idx)
-            return
         if self._observed is None:
             observed, counted = self.store.layout()
             self._observed, self._counted = observed.long().contiguous(), counted.bool()
@@ -218,34 +210,24 @@ class GibbsLabeler:
         self._resolve(wait=True)
         self._pending = (idx, self._z[idx])
 
-    def _absorb(self, sync: Sync, idx: Tensor) -> None:
-        sync.apply_to(self.counts)
-        self.version = sync.version
-        self._pending = (idx, sync.z)
-
     def _resolve(self, wait: bool = False) -> float:
-        """Take the reply of the last commit, if any; returns the seconds waited. A step
-        reply is always waited for; a push reply only with ``wait`` or once it has arrived
-        (the store client's ``done``), so a slow store never stalls a step."""
+        """Take the reply of the push in flight, if any, with ``wait`` or once it has
+        arrived (the store client's ``done``), so a slow store never stalls a step;
+        returns the seconds waited."""
         if self._inflight is None:
             return 0.0
-        reply, nxt, before, push = self._inflight
-        if (push and not wait and not isinstance(reply, Sync)
+        reply = self._inflight
+        if (not wait and not isinstance(reply, Sync)
                 and hasattr(self.store, "done") and not self.store.done(reply)):
             return 0.0
         self._inflight = None
         t0 = time.perf_counter()
         sync = reply if isinstance(reply, Sync) else self.store.resolve(reply)
         waited = time.perf_counter() - t0
-        if push:
-            self._absorb_push(sync)
-            return waited
-        # our own commit advanced the version by one; the rest came from other workers
-        self._staleness = max(0, sync.version - before - 1)
-        self._absorb(sync, nxt)
+        self._absorb(sync)
         return waited
 
-    def _absorb_push(self, sync: Sync) -> None:
+    def _absorb(self, sync: Sync) -> None:
         """Bring the replica up to a push reply: the other workers' moves, or the whole C
         plus our own moves made since the push was sent (they are not in it yet)."""
         if sync.counts is not None:
@@ -270,7 +252,7 @@ class GibbsLabeler:
         reply = self.store.push(idx, z_new, since=self.version if since is None else since,
                                 worker=self.worker, seq=self.seq, steps=len(self._buf),
                                 full_z=full_z)
-        self._inflight = (reply, None, self.version, True)
+        self._inflight = reply
         self.seq += 1
         self._buf, self._moves = [], []
 
@@ -424,21 +406,13 @@ class GibbsLabeler:
         return z_new, post, (float(changed) if dev.type == "cpu" else changed)
 
     def commit(self, idx: Tensor, z_new: Tensor, next_idx: Tensor | None) -> None:
-        """Send the batch's labels and ask for ``z`` of ``next_idx``; does not wait for the
-        reply (the next :meth:`sample` or :meth:`flush` does).
-
-        With ``commit_every > 1``: apply the batch's moves to the replica, buffer its labels
-        and send the buffer once it holds ``commit_every`` steps."""
+        """Apply the batch's moves to the replica and to the own copy of ``z``, buffer its
+        labels, take ``z`` of ``next_idx``, and send the buffer once it holds
+        ``commit_every`` steps (without waiting for the reply: a later :meth:`sample`,
+        send or :meth:`flush` takes it)."""
         nxt = next_idx if next_idx is not None else idx[:0]
-        if self.commit_every == 1:
-            reply = self.store.step(idx, z_new, nxt, since=self.version, worker=self.worker,
-                                    seq=self.seq)
-            self._inflight = (reply, nxt, self.version, False)
-            self.seq += 1
-            self.step_count += 1
-            return
         if self._z is None:
-            raise RuntimeError("commit() with commit_every > 1 needs prefetch() first")
+            raise RuntimeError("commit() needs prefetch() first")
         self._apply_own(idx, z_new)
         self._buf.append((idx.long(), z_new.long()))
         self.step_count += 1
