@@ -373,7 +373,8 @@ def fit_pair(args: argparse.Namespace, cfg_ce: RunConfig, cfg_lccn: RunConfig,
                              "wall_s": snap["t"] + time.perf_counter() - t1}
         return out
     probs = lc.pretrained_probs
-    conf = torch.bincount(lc.train.clean * 10 + probs[:, :10].argmax(1), minlength=100)
+    clean = lc.train.clean[torch.from_numpy(lc.train_rows)]   # probs: the trained rows
+    conf = torch.bincount(clean * 10 + probs[:, :10].argmax(1), minlength=100)
     out["lccn"] = {"history": hist_ce[:p] + hist, "wall_s": snap["t"] + time.perf_counter() - t1,
                    "config": asdict(cfg_lccn), "diagnostics": diags,
                    "phi_init": lc.phi_init.tolist(), "phi": lc.transition().tolist(),

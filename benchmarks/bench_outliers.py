@@ -85,7 +85,7 @@ def one_run(seed: int, prior: float, args: argparse.Namespace) -> dict[str, floa
     ood = view.ood[idx]
     top = np.argsort(-p)[:int(ood.sum())]
     in_class = trainer.store.z.numpy() == 10
-    return {"in_class": float(in_class[view.ood[trainer.train_rows]].mean()),
+    return {"in_class": float(in_class[trainer.train_rows][view.ood[trainer.train_rows]].mean()),
             "flagged": int(flag.sum()),
             "flag_precision": float(ood[flag].mean()) if flag.any() else float("nan"),
             "recall": float(flag[ood].mean()), "p_at_ood": float(ood[top].mean()),

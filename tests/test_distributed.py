@@ -399,6 +399,8 @@ def test_noisy_validation_split_of_a_distributed_run(digits, tmp_path, one_threa
     local = LocalTrainer(run, TensorData(torch.zeros(n, 1, 8, 8), view),
                          TensorData(torch.zeros(10, 1, 8, 8), tiny))
     assert np.array_equal(np.setdiff1d(np.arange(n), local.train_rows), np.flatnonzero(mask))
+    # ... in the same index space: every sample keeps its row, the held-out ones marked
+    assert np.array_equal(local.held_out, mask) and local.engine.data.num_samples == n
     assert counted is not None and torch.equal(counted, torch.from_numpy(~mask))
 
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # (idx, valid) of every training batch

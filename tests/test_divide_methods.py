@@ -179,12 +179,13 @@ def test_divide_lccn_keeps_one_valid_chain_per_network(runs, digits):
     assert isinstance(trainer.engine.chain, ChainSet)
     stores = trainer.stores
     assert len(stores) == 2 and stores[0] is not stores[1]
-    n = len(trainer.train)
+    n = len(trainer.train_rows)   # the noisy validation split is in z, never counted
     steps = int(sum(r["steps"] for r in hist[2:]))
     for s in stores:
         s.check()
-        assert int(s.counts.sum()) == n
-        assert torch.equal(s.counts, count_matrix(s.z, s.observed, 10, 10))
+        assert int(s.counts.sum()) == n == int(s.counted.sum())
+        assert not s.counted[torch.from_numpy(trainer.held_out)].any()
+        assert torch.equal(s.counts, count_matrix(s.z, s.observed, 10, 10, counted=s.counted))
         assert s.steps == steps      # every batch's labels applied once per chain (pushes of commit_every)
     assert not torch.equal(stores[0].z, stores[1].z)         # two chains, not one
     last = hist[-1]
@@ -266,7 +267,7 @@ def test_divide_lccn_co_refinement_is_co_refine_lccn_of_its_chain(digits, monkey
     cfg = replace(cfg, lccn=replace(cfg.lccn, commit_every=1))
     trainer = LocalTrainer(cfg, train, test)
     trainer.fit()
-    batches = -(-len(trainer.train) // 64)
+    batches = -(-len(trainer.train_rows) // 64)
     assert checked == {"refine": 2 * batches, "mix": 2 * batches}
 
 

@@ -62,8 +62,14 @@ def test_epoch_metrics_and_chain_invariants_after_training():
     hist = trainer.fit()
     store = trainer.store
     z, obs = store.z.numpy(), store.observed.numpy()
+    # one index space: the store holds every sample of the split, the noisy validation
+    # split uncounted (its z stays the observed label)
+    counted = store.counted.numpy()
+    assert len(z) == len(view) and not counted[trainer.held_out].any()
+    assert counted.sum() == len(trainer.train_rows)
+    assert np.array_equal(z[trainer.held_out], obs[trainer.held_out])
     recount = np.zeros((10, 10), np.int64)
-    np.add.at(recount, (z, obs), 1)
+    np.add.at(recount, (z[counted], obs[counted]), 1)
     np.testing.assert_array_equal(store.counts.numpy(), recount)
     lccn_steps = int(sum(r["steps"] for r in hist[1:]))
     assert [r["phase"] for r in hist] == [0.0, 1.0, 1.0]
@@ -263,7 +269,7 @@ def test_without_its_warm_up_the_outlier_class_stays_empty(tmp_path):
     cfg = _star_cfg(outlier_prior=0.0)
     trainer = LocalTrainer(cfg, train, test, out_dir=str(tmp_path))
     trainer.fit()
-    ood = train.labels.ood[trainer.train_rows]
+    ood = train.labels.ood & ~trainer.held_out
     in_outlier_class = trainer.store.z.numpy() == 10
     assert in_outlier_class[ood].mean() < 0.02
     assert not any(r["flag"] == "1" for r in _read_outliers(tmp_path / "outliers.csv"))

@@ -68,9 +68,12 @@ class LocalChain:
     compile_mode: str = "off"
 
     def __init__(self, observed: Tensor, num_classes: int, *, generator: torch.Generator,
-                 check_invariants: bool = True) -> None:
+                 check_invariants: bool = True, held_out: np.ndarray | None = None) -> None:
         self.observed, self.num_classes = observed, num_classes
         self.generator, self.check_invariants = generator, check_invariants
+        # the noisy validation split: in the idx space, never counted (as in SharedChain)
+        self.held_out = (None if held_out is None or not held_out.any()
+                         else torch.from_numpy(np.asarray(held_out, dtype=bool)))
         self.store: ConfusionStore | None = None
 
     def open(self, state: dict | None, session: Session) -> None:
@@ -79,13 +82,16 @@ class LocalChain:
 
     def start(self, idx: Tensor, z0: Tensor, *, k_latent: int, trusted: Tensor | None,
               clean: Tensor) -> None:
-        """Initial assignment ``z0`` of samples ``idx`` (all of them, in one process)."""
+        """Initial assignment ``z0`` of samples ``idx`` (all the training samples, in one
+        process); held-out samples keep their observed label as ``z`` and are not counted."""
         z = self.observed.clone()
         z[idx] = z0
         counted = None
         if trusted is not None:
             z = torch.where(trusted, clean, z)
             counted = ~trusted
+        if self.held_out is not None:
+            counted = ~self.held_out if counted is None else counted & ~self.held_out
         self.store = ConfusionStore(self.observed, z, k_latent, self.num_classes,
                                     counted=counted)
 

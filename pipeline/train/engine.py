@@ -60,7 +60,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -131,9 +130,7 @@ class EngineOptions:
     normalize: nn.Module | None = None
     # the method's end-of-run files (Method.final_files) are also written here (rank 0)
     out_dir: str | None = None
-    # for those files: the split's idx of each sample of the run (a run that re-indexed
-    # its samples, e.g. the local trainer without its validation split) and its key
-    sample_idx: np.ndarray | None = None
+    # for those files: the key of each sample of the split, by idx
     sample_keys: Any = None  # a sequence of str by the split's idx, or None
     # a fresh run starts from the weights of another run's checkpoint (init_state_file:
     # a finished CE run, the paper's code's protocol); a resumed run ignores it

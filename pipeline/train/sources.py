@@ -50,28 +50,41 @@ class _Pass:
 
 
 class TensorSource:
-    """In-memory splits (:class:`pipeline.train.trainer.TensorData`): ``train`` (idx 0..N-1),
-    ``val`` (the held-out split, scored against its observed labels, or None) and ``test``.
-    The training pass is shuffled and augmented from ``generator`` (the local trainer's one
-    generator: data order, augmentation and the Gibbs draws share it)."""
+    """In-memory splits (:class:`pipeline.train.trainer.TensorData`): ``train`` (idx 0..N-1,
+    its noisy validation split included, as in :class:`~pipeline.train.shard_source.ShardSource`)
+    and ``test``. ``held_out (N,) bool`` marks the noisy validation rows of ``train``: the
+    training pass and ``train_eval_batches`` leave them out, ``val_batches`` gives them
+    (scored against their observed labels, idx = their rows). The training pass is shuffled
+    and augmented from ``generator`` (the local trainer's one generator: data order,
+    augmentation and the Gibbs draws share it)."""
 
-    def __init__(self, train: Any, val: Any | None, test: Any, *, batch_size: int,
-                 generator: torch.Generator, eval_batch_size: int = 512) -> None:
-        self.train, self.val, self.test = train, val, test
+    def __init__(self, train: Any, test: Any, *, batch_size: int,
+                 generator: torch.Generator, eval_batch_size: int = 512,
+                 held_out: np.ndarray | None = None) -> None:
+        self.train, self.test = train, test
         self.batch_size, self.generator, self.eval_batch_size = batch_size, generator, eval_batch_size
         labels = train.labels
         self.num_samples, self.num_classes = len(train), labels.num_classes
         self.observed, self.clean = train.observed, train.clean
         self.trusted = torch.from_numpy(labels.trusted)
         self.transition = labels.transition
-        self.held_out: np.ndarray | None = None  # the idx space holds training samples only
+        if held_out is not None and (held_out.shape != (len(train),) or held_out.dtype != bool):
+            raise ValueError(f"held_out must be ({len(train)},) bool, got "
+                             f"{held_out.shape} {held_out.dtype}")
+        self.held_out = held_out if held_out is not None and held_out.any() else None
+        self._rows = self._val_rows = None
+        if self.held_out is not None:
+            self._rows = torch.from_numpy(np.flatnonzero(~self.held_out))
+            self._val_rows = torch.from_numpy(np.flatnonzero(self.held_out))
+            self._val = train.noisy()
 
     def train_batches(self, epoch: int, start_batch: int = 0, *, views: int = 1) -> _Pass:
         """views=2: batches with two augmented views of every image (``ViewsBatch``)."""
         if start_batch:
             raise ValueError("an in-memory pass cannot start mid-epoch (no checkpoints here)")
-        return _Pass(self.train.batches(self.batch_size, generator=self.generator, views=views),
-                     -(-len(self.train) // self.batch_size))
+        n = len(self.train) if self._rows is None else self._rows.numel()
+        return _Pass(self.train.batches(self.batch_size, generator=self.generator, views=views,
+                                        rows=self._rows), -(-n // self.batch_size))
 
     def state_dict(self) -> dict[str, Any]:
         """The generator's state (data order, augmentation, the local Gibbs draws): what
@@ -83,10 +96,13 @@ class TensorSource:
         self.generator.set_state(state["generator"])
 
     def train_eval_batches(self) -> Iterable[Any]:
-        return self.train.batches(self.eval_batch_size)
+        """The training samples (validation rows left out), unshuffled, in idx order."""
+        return self.train.batches(self.eval_batch_size, rows=self._rows)
 
     def val_batches(self) -> Iterable[Any] | None:
-        return None if self.val is None else self.val.batches(self.eval_batch_size)
+        if self.held_out is None:
+            return None
+        return self._val.batches(self.eval_batch_size, rows=self._val_rows)
 
     def test_batches(self) -> Iterable[Any] | None:
         return self.test.batches(self.eval_batch_size)

@@ -71,15 +71,20 @@ class TensorData:
         return TensorData(self.images, LabelView(obs, obs, self.labels.num_classes))
 
     def batches(self, batch_size: int, *, generator: torch.Generator | None = None,
-                views: int = 1) -> Iterator[Batch] | Iterator[ViewsBatch]:
+                views: int = 1, rows: Tensor | None = None
+                ) -> Iterator[Batch] | Iterator[ViewsBatch]:
         """Shuffled (and augmented, if :attr:`augment` is set) when a generator is given;
         the last batch may be smaller. ``views=2``: :class:`ViewsBatch` es whose two views
         are :attr:`augment` applied twice (in that order, from the same generator; the
-        stored images twice without augmentation)."""
+        stored images twice without augmentation). ``rows (M,) int64``: only those samples
+        (in that order unshuffled, else in an order drawn by ``randperm(M)``); their idx
+        stay the rows of this split."""
         if views not in (1, 2):
             raise ValueError(f"views must be 1 or 2, got {views}")
-        n = len(self)
+        n = len(self) if rows is None else rows.numel()
         order = torch.randperm(n, generator=generator) if generator is not None else torch.arange(n)
+        if rows is not None:
+            order = rows[order]
         for s in range(0, n, batch_size):
             idx = order[s:s + batch_size]
             stored = self.images[idx.to(self.images.device, non_blocking=True)]
@@ -121,9 +126,12 @@ class LocalTrainer:
     LCCN; method "ce": CE on the same learning-rate schedule).
 
     ``cfg.val_fraction`` of ``train`` (stratified by observed label, fixed by the seed) is
-    held out as a noisy validation split: never trained on, never counted in C, scored
-    each epoch against its observed labels (``val_top1``). ``self.train`` is the rest; its
-    idx are ``0..len(self.train)-1`` (``self.train_rows`` maps them back to ``train``).
+    held out as a noisy validation split (``self.held_out (N,) bool``, or None): never
+    trained on, never counted in C, scored each epoch against its observed labels
+    (``val_top1``). The idx of every sample is its row of ``train`` (``self.train``), as in
+    a distributed run over the same view: the chain's ``z`` and C, the posteriors and
+    ``outliers.csv`` all use that one numbering; ``self.train_rows`` are the rows trained
+    on (ascending).
 
     One generator (``self.gen``, seeded by ``cfg.seed``) draws the data order, the
     augmentations and the Gibbs steps. The networks exist from construction on (a caller
@@ -134,8 +142,7 @@ class LocalTrainer:
     generator's state) and a new trainer on the same session resumes from the newest.
 
     out_dir: where the method's end-of-run files go (LCCN*: ``outliers.csv``, whose idx
-    are ``train``'s, validation split included in the numbering, and whose keys are
-    ``keys[idx]`` when given); tracking: an MLflow run for the metrics and those files
+    are ``train``'s rows and whose keys are ``keys[idx]`` when given); tracking: an MLflow run for the metrics and those files
     (:class:`~pipeline.train.engine.Tracking`); normalize: a module every network applies to
     uint8 batches before its forward (training, evaluation and prediction alike), for
     images stored as uint8 and normalised after augmentation (e.g.
@@ -150,35 +157,34 @@ class LocalTrainer:
         k = train.labels.num_classes
         if test.labels.num_classes != k:
             raise ValueError(f"train has {k} classes but test has {test.labels.num_classes}")
-        self.val: TensorData | None = None
+        self.held_out: np.ndarray | None = None
         self.train_rows = np.arange(len(train), dtype=np.int64)
         if cfg.val_fraction > 0:
             self.train_rows, val_rows = holdout_split(train.labels.observed, cfg.val_fraction,
                                                       seed=cfg.seed)
-            self.val = train.take(val_rows).noisy()
-            train = train.take(self.train_rows)
+            self.held_out = np.zeros(len(train), dtype=bool)
+            self.held_out[val_rows] = True
         if cfg.perf.enabled("data_on_device", device) and torch.device(device).type != "cpu":
             # in-memory splits live on the device: batches and crop/flip are made there
             train, test = train.to(device), test.to(device)
-            self.val = self.val.to(device) if self.val is not None else None
         self.cfg, self.train, self.test, self.device = cfg, train, test, device
         self.num_classes = k
         self.gen = torch.Generator().manual_seed(cfg.seed)
-        data = TensorSource(train, self.val, test, batch_size=cfg.optim.batch_size,
-                            generator=self.gen)
+        data = TensorSource(train, test, batch_size=cfg.optim.batch_size,
+                            generator=self.gen, held_out=self.held_out)
 
         method = get_method(cfg.method)
         chain = None
         if method.needs_chain:
             chains = [LocalChain(train.observed, k, generator=self.gen,
-                                 check_invariants=cfg.check_invariants)
+                                 check_invariants=cfg.check_invariants,
+                                 held_out=self.held_out)
                       for _ in range(method.num_chains)]
             chain = chains[0] if len(chains) == 1 else ChainSet(chains)
         self.engine = Engine(cfg, session or ProcessSession(device), data, chain=chain,
                              options=EngineOptions(run_name="local",
                                                    raise_on_collapse=True,
                                                    out_dir=None if out_dir is None else str(out_dir),
-                                                   sample_idx=self.train_rows,
                                                    sample_keys=keys, tracking=tracking,
                                                    normalize=normalize))
         self.k_latent = self.engine.k_latent

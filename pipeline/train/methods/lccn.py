@@ -28,21 +28,18 @@ OUTLIER_COLUMNS = ("idx", "key", "observed", "p_outlier", "flag")
 
 
 def outlier_table(p_outlier: Tensor, observed: Tensor, rows: Tensor, *, threshold: float,
-                  split_idx: np.ndarray | None = None,
                   keys: Sequence[str] | None = None) -> str:
     """The ``outliers.csv`` text: one line per training sample ``rows (M,)`` (idx of the
-    run's sample space): ``idx`` (the split's idx: ``split_idx[row]`` when the run
-    re-indexed its samples), ``key`` (empty when unknown), ``observed``, ``p_outlier``
-    (empty for a sample never drawn in the window) and ``flag`` (1 when ``p_outlier >
-    threshold``). p_outlier, observed: ``(N,)`` by row."""
+    split): ``idx``, ``key`` (``keys[idx]``; empty when unknown), ``observed``,
+    ``p_outlier`` (empty for a sample never drawn in the window) and ``flag`` (1 when
+    ``p_outlier > threshold``). p_outlier, observed: ``(N,)`` by idx."""
     out = io.StringIO()
     w = csv.writer(out, lineterminator="\n")
     w.writerow(OUTLIER_COLUMNS)
     for r in rows.tolist():
         p = float(p_outlier[r])
-        idx = int(split_idx[r]) if split_idx is not None else r
-        key = keys[idx] if keys is not None else ""
-        w.writerow((idx, key, int(observed[r]), "" if p != p else f"{p:.6f}",
+        key = keys[r] if keys is not None else ""
+        w.writerow((r, key, int(observed[r]), "" if p != p else f"{p:.6f}",
                     "" if p != p else int(p > threshold)))
     return out.getvalue()
 
@@ -215,8 +212,7 @@ class LCCN(Method):
         opts = eng.options
         return {OUTLIERS_FILE: outlier_table(
             self.outlier_mean.mean()[:, 0], eng.data.observed, torch.nonzero(train)[:, 0],
-            threshold=self.cfg.outlier_threshold, split_idx=opts.sample_idx,
-            keys=opts.sample_keys)}
+            threshold=self.cfg.outlier_threshold, keys=opts.sample_keys)}
 
     def state_dict(self) -> dict[str, Any]:
         return {"lccn_step": self.lccn_step, "phi_init": self.phi_init,
