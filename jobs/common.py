@@ -46,7 +46,7 @@ from pipeline.data.manifest import Manifest
 from pipeline.data.stream import check_label_view, check_splits
 from pipeline.dist.worker import DistConfig
 from pipeline.track.tracking import add_tracking_options, tracking_uri_of
-from pipeline.train.methods import registered
+from pipeline.train.methods import get_method, registered
 
 _LCCN, _DIVIDE = LCCNConfig(), DivideConfig()
 
@@ -199,9 +199,15 @@ def resolve_recipe(args: argparse.Namespace) -> Preset:
     given = {name for name in RECIPE_ARGS if getattr(args, name, None) is not None}
     if not hasattr(args, "recipe_given"):  # the first call sees what the command line set
         args.recipe_given = tuple(sorted(given))
+    # a recipe's value of a field the method never reads (get_method(m).ignores, e.g. the
+    # digits recipe's targets for divide_lccn) stays out: the library's default instead
+    ignored = {}
+    for path in get_method(args.method).ignores:
+        section, name = path.split(".")
+        ignored[name] = getattr(getattr(RunConfig(), section), name)
     for name in RECIPE_ARGS:
         if name not in given:
-            value = getattr(rec, name)
+            value = ignored[name] if name in ignored else getattr(rec, name)
             setattr(args, name, list(value) if isinstance(value, tuple) else value)
     if rec.lr_values and "lr_values" not in given:
         # the recipe's piecewise schedule yields to the schedule options given

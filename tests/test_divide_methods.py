@@ -344,6 +344,18 @@ def test_divide_lccn_refuses_lccn_star_and_plus(digits):
         LocalTrainer(cfg, train, test)
 
 
+@pytest.mark.parametrize("lccn", [LCCNConfig(targets="sample"), LCCNConfig(ramp_epochs=0.0),
+                                  LCCNConfig(targets="map", ramp_epochs=4.0)])
+def test_divide_lccn_refuses_the_lccn_target_options_it_never_reads(digits, lccn):
+    """DivideLCCN trains on co-refined targets: a non-default LCCN target or ramp is an
+    error naming it, not a silently ignored setting (annealing, which tempers its draws, is
+    accepted)."""
+    train, test = digits
+    with pytest.raises(ValueError, match="does not read lccn.(targets|ramp_epochs)"):
+        LocalTrainer(replace(_cfg("divide_lccn"), lccn=lccn), train, test)
+    LocalTrainer(replace(_cfg("divide_lccn"), lccn=LCCNConfig(anneal=True)), train, test)
+
+
 def test_two_views_are_two_augmentations_from_the_generator(digits):
     train, _ = digits
     calls = []

@@ -51,6 +51,18 @@ def test_cifar_preset_is_the_papers():
     assert run100.lccn.warmup == "identity"
 
 
+def test_a_recipe_value_the_method_never_reads_stays_out():
+    """The digits recipe's LCCN target and ramp (sample, 0) are for LCCN; run with
+    divide_lccn, which never reads them, the job keeps the library's defaults, and given on
+    the command line they reach the config (where DivideLCCN refuses them)."""
+    _, run = _configs(quickstart_ray, [])
+    assert (run.lccn.targets, run.lccn.ramp_epochs) == ("sample", 0.0)
+    _, run = _configs(quickstart_ray, ["--method", "divide_lccn"])
+    assert (run.lccn.targets, run.lccn.ramp_epochs) == ("posterior", 1.0)
+    _, run = _configs(quickstart_ray, ["--method", "divide_lccn", "--targets", "map"])
+    assert run.lccn.targets == "map"
+
+
 def test_weight_average_is_off_in_the_recipes_and_an_option_of_every_job():
     _, run = _configs(cifar_lccn, ["--data", "/x"])
     assert run.optim.ema_decay == 0.0

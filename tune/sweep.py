@@ -202,14 +202,14 @@ def default_num_samples(space: dict[str, Any], *, smoke: bool) -> int:
 def inert_keys(space: dict[str, Any], method: str) -> list[str]:
     """Keys of ``space`` that ``method`` never reads: every ``lccn.*`` key for a method
     without a Gibbs chain, except ``lccn.xi``, the clip of every single-network method's
-    loss (DivideMix's losses are not clipped); DivideLCCN trains on co-refined targets, so
-    neither the LCCN target nor its ramp reaches it."""
-    if not get_method(method).needs_chain:
+    loss (DivideMix's losses are not clipped); for a method with a chain, its ``ignores``
+    (DivideLCCN trains on co-refined targets, so neither the LCCN target nor its ramp
+    reaches it)."""
+    cls = get_method(method)
+    if not cls.needs_chain:
         return [k for k in space if k.startswith("lccn.")
                 and (k != "lccn.xi" or method == "dividemix")]
-    if method == "divide_lccn":
-        return [k for k in space if k in ("lccn.targets", "lccn.ramp_epochs")]
-    return []
+    return [k for k in space if k in cls.ignores]
 
 
 def parent_tracker(tracking_uri: str, experiment: str, name: str, params: dict[str, Any]):
@@ -400,10 +400,9 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
                          "job --val-fraction > 0 (default 0.05)")
     space = resolve_space(args)
     inert = inert_keys(space, probe.method)
-    if inert and args.scheduler == "pbt":  # PBT's mutations name them: kept
-        print(f"[sweep] note: --method {probe.method} does not read {', '.join(inert)}",
-              flush=True)
-    elif inert:  # dropped: columns that vary nothing, grids that only repeat trials
+    if args.scheduler == "pbt":  # PBT's mutations name their keys: those stay
+        inert = [k for k in inert if k not in pbt.MUTATIONS]
+    if inert:  # dropped: columns that vary nothing, grids that only repeat trials
         print(f"[sweep] note: --method {probe.method} does not read {', '.join(inert)}: "
               f"left out of the space", flush=True)
         space = {k: v for k, v in space.items() if k not in inert}

@@ -72,6 +72,22 @@ def get_method(name: str) -> type["Method"]:
         raise ValueError(f"unknown method {name!r}; registered: {', '.join(registered())}") from None
 
 
+def refuse_ignored(method: type["Method"], run: RunConfig) -> None:
+    """ValueError naming every field of ``method.ignores`` that ``run`` sets to another
+    value than its default (the method would silently not use it)."""
+    default = RunConfig()
+    bad = []
+    for path in method.ignores:
+        section, name = path.split(".")
+        got = getattr(getattr(run, section), name)
+        want = getattr(getattr(default, section), name)
+        if got != want:
+            bad.append(f"{path}={got!r} (default {want!r})")
+    if bad:
+        raise ValueError(f"method {method.name} does not read {', '.join(bad)}: leave "
+                         f"{'it' if len(bad) == 1 else 'them'} at the default")
+
+
 class Method:
     """Base class: one network trained with cross-entropy on the observed labels for
     every epoch; subclasses override what they change."""
@@ -79,6 +95,10 @@ class Method:
     name = ""
     needs_chain = False  # a Gibbs chain backend (store) is required
     num_chains = 1  # with needs_chain: one chain per network when > 1 (engine.ChainSet)
+    # RunConfig fields ("lccn.targets") of a method with a chain that it never reads: it
+    # refuses a value other than the default (refuse_ignored), the jobs leave a recipe's
+    # value out for it and Tune leaves them out of its space
+    ignores: tuple[str, ...] = ()
 
     def __init__(self, run: RunConfig, engine: Any) -> None:
         self.run, self.engine = run, engine

@@ -62,7 +62,7 @@ from pipeline.core.monitor import CollapseMonitor, chain_health
 from pipeline.core.posterior import STATE_KEY
 from pipeline.core.warmup import estimate_phi_init, initial_latents
 from pipeline.train.loop import StepInput, Task, noisy_nll_sum, predict
-from pipeline.train.methods.base import Method, register
+from pipeline.train.methods.base import Method, refuse_ignored, register
 from pipeline.train.report import accumulator_for, finish_epoch
 from pipeline.train.session import all_gather_rows
 
@@ -389,6 +389,9 @@ class DivideLCCN(DivideMix):
     name = "divide_lccn"
     needs_chain = True
     num_chains = 2
+    # it trains on DivideMix's co-refined targets (with the chain's conditional), so
+    # neither LCCN's target nor its ramp reaches it (annealing does: it tempers the draws)
+    ignores = ("lccn.targets", "lccn.ramp_epochs")
 
     def __init__(self, run, engine) -> None:
         super().__init__(run, engine)
@@ -396,6 +399,7 @@ class DivideLCCN(DivideMix):
         if lc.outlier or lc.use_trusted:
             raise ValueError("divide_lccn runs plain LCCN chains: LCCNConfig.outlier "
                              "(LCCN*) and use_trusted (LCCN+) are not supported with it")
+        refuse_ignored(type(self), run)
         chain = engine.chain
         if chain is not None and len(getattr(chain, "chains", [chain])) != self.num_chains:
             raise ValueError(f"divide_lccn needs {self.num_chains} chains (one per network, "
