@@ -111,6 +111,23 @@ def test_each_baseline_beats_chance_on_noisy_digits(method, noisy_digits, one_th
         assert r.get("transition_rank_gap", 0.0) == 0.0  # one rank
 
 
+def test_trevision_stages_each_run_a_complete_schedule(noisy_digits, one_thread):
+    """6 epochs, 2 CE, lr 0.05 decayed x0.1 at epoch 4: the reweighting stage (epochs 2-3)
+    runs the noise phase's schedule compressed into its own 2 epochs (0.05 then 0.005)
+    instead of sitting at 0.05 while the decay falls into the revision; the revision
+    (epochs 4-5) runs Adam at its constant 5e-7, and the rows log the rate applied."""
+    train, test = noisy_digits
+    run = _run("trevision")
+    run = replace(run, optim=replace(run.optim, milestones=(4,)))
+    trainer = LocalTrainer(run, train, test)
+    hist = trainer.fit()
+    assert [r["trevision_stage"] for r in hist] == [1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
+    assert [r["lr"] for r in hist] == pytest.approx([0.05, 0.05, 0.05, 0.005, 5e-7, 5e-7])
+    assert trainer.method.revision_optimizer.param_groups[0]["lr"] == 5e-7
+    assert trainer.method.stage2_lr(3) == pytest.approx(0.005)
+    assert hist[-1]["test_top1"] > 0.6
+
+
 def view_transition(data: TensorData) -> np.ndarray:
     return np.asarray(data.labels.transition)
 

@@ -438,7 +438,7 @@ class Engine:
         stats = run_pass(method.train_task(epoch), train_pass, device=self.device,
                          after_step=after_step)
         method.end_pass(epoch)
-        lr = self.members[0].optimizer.param_groups[0]["lr"]  # this epoch's, not the next's
+        lr = method.applied_lr(epoch)  # this epoch's, not the next's
         for m in self.members:
             m.scheduler.step()
         row = _epoch_row(stats, session, epoch=epoch, global_step=self.global_step, lr=lr,

@@ -87,6 +87,14 @@ def param_groups(model: nn.Module, weight_decay: float,
     return [g for g in groups if g["params"]]
 
 
+def scheduled_lr(run: RunConfig, epoch: float, lr_values: tuple[float, ...] = ()) -> float:
+    """The rate :func:`make_scheduler` gives ``epoch`` (a fraction reads the phase it lies
+    in): ``lr * lr_decay ** (milestones passed)``, or with ``lr_values`` the phase's rate."""
+    o = run.optim
+    phase = sum(epoch >= m for m in o.milestones)
+    return float(lr_values[phase]) if lr_values else float(o.lr * o.lr_decay ** phase)
+
+
 def make_scheduler(optimizer: torch.optim.Optimizer, run: RunConfig,
                    lr_values: tuple[float, ...] = ()):
     """The epoch schedule: ``lr`` decayed by ``lr_decay`` at each milestone, or with

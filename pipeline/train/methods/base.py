@@ -106,6 +106,11 @@ class Method:
 
     # -- networks -------------------------------------------------------------------------------
 
+    def applied_lr(self, epoch: int) -> float:
+        """The learning rate the optimiser that steps in ``epoch`` applies (the epoch row's
+        ``lr``): the first network's by default."""
+        return float(self.members[0].optimizer.param_groups[0]["lr"])
+
     def num_outputs(self) -> int:
         """Logits of the classifier (K; LCCN* K + 1)."""
         return self.num_classes

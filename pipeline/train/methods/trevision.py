@@ -5,13 +5,19 @@ learning?", NeurIPS 2019): three stages.
    epochs), then ``T_hat`` from the network (``BaselineConfig.transition``: anchor points
    at the 97th percentile as the authors, by default).
 2. Importance reweighting with ``T_hat`` fixed: ``mean β · CE(f(x), ỹ)`` with
-   ``β = q(ỹ) / (q @ T_hat)(ỹ)`` detached, on the member's SGD and schedule.
+   ``β = q(ỹ) / (q @ T_hat)(ỹ)`` detached, on the member's SGD, with a complete schedule
+   of its own: the run's schedule over the noise phase, compressed into this stage's
+   epochs (the authors decay stage 2's lr within its own 200 epochs).
 3. Revision: a slack ``ΔT`` (from 0; ``T = T_hat + ΔT``, neither clipped nor renormalised)
-   learned with the network through β, by Adam at ``revision_lr`` 5e-7 and weight decay
-   1e-4 (the authors' values).
+   learned with the network through β, by Adam at a constant ``revision_lr`` 5e-7 and
+   weight decay 1e-4 (the authors' values).
 
 The authors run 200 epochs of stage 2 and 200 of stage 3: here the noise phase is split in
-the same proportion, the last ``revision_fraction`` (0.5) of it being the revision. The
+the same proportion, the last ``revision_fraction`` (0.5) of it being the revision. So
+neither stage runs over the other's learning-rate decay (running stage 2 on the run's own
+schedule would leave it at the first rate and put the decayed epochs under the revision's
+Adam, where the network barely moves). The epoch rows' ``lr`` is the applied one (Adam's
+in stage 3). The
 authors take ``T_hat`` from the epoch with the best noisy-validation accuracy and start
 stage 2 from scratch; here from the end of the pre-training, continuing its network.
 
@@ -28,6 +34,7 @@ import torch
 from torch import Tensor
 
 from pipeline.core.baselines import TRevisionSlack, check_transition, reweight_loss
+from pipeline.train.members import scheduled_lr
 from pipeline.train.methods.base import register
 from pipeline.train.methods.baseline import (
     BaselineMethod,
@@ -53,6 +60,20 @@ class TRevision(BaselineMethod):
 
     def in_revision(self, epoch: int) -> bool:
         return self.in_noise_phase(epoch) and epoch >= self.revision_epoch
+
+    def stage2_lr(self, epoch: int) -> float:
+        """Stage 2's rate at ``epoch``: the run's schedule at the noise-phase epoch this one
+        stands for once the phase's length is compressed into stage 2's."""
+        o = self.run.optim
+        start, n = o.pretrain_epochs, o.epochs - o.pretrain_epochs
+        n2 = max(1, self.revision_epoch - start)
+        return scheduled_lr(self.run, start + (epoch - start) * n / n2,
+                            self.engine.options.lr_values)
+
+    def applied_lr(self, epoch: int) -> float:
+        if self.in_revision(epoch):
+            return float(self._revision_optimizer().param_groups[0]["lr"])
+        return super().applied_lr(epoch)
 
     def noise_phase_started(self) -> bool:
         return self.started
@@ -95,6 +116,9 @@ class TRevision(BaselineMethod):
     def begin_epoch(self, epoch: int, steps_per_epoch: int) -> None:
         self._revising = self.in_revision(epoch)
         self._stage = 3 if self._revising else 2 if self.in_noise_phase(epoch) else 1
+        if self._stage == 2:  # its own schedule, over the member's scheduler's rate
+            for group in self.members[0].optimizer.param_groups:
+                group["lr"] = self.stage2_lr(epoch)
 
     def epoch_stats(self) -> dict[str, float]:
         # 1: cross-entropy, 2: reweighting with T_hat fixed, 3: revision
