@@ -251,7 +251,7 @@ def _chain_diagnostics(trainer: LocalTrainer) -> dict:
 
 def _set_schedule(args: argparse.Namespace, trainer: LocalTrainer, *, offset: int) -> None:
     """--lr-values: a piecewise-constant schedule (epoch e + offset of the whole run) in
-    place of the trainer's x0.1 steps."""
+    place of the trainer's x0.1 steps, for every network of the method (DivideMix's two)."""
     if not args.lr_values:
         return
     if len(args.lr_values) != len(args.milestones) + 1:
@@ -263,9 +263,10 @@ def _set_schedule(args: argparse.Namespace, trainer: LocalTrainer, *, offset: in
         phase = sum(e + offset >= m for m in args.milestones)
         return args.lr_values[phase] / base
 
-    for g in trainer.optimizer.param_groups:
-        g["lr"] = g["initial_lr"] = base
-    trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, factor)
+    for member in trainer.engine.members:
+        for g in member.optimizer.param_groups:
+            g["lr"] = g["initial_lr"] = base
+        member.scheduler = torch.optim.lr_scheduler.LambdaLR(member.optimizer, factor)
 
 
 def fit_pair(args: argparse.Namespace, cfg_ce: RunConfig, cfg_lccn: RunConfig,

@@ -185,3 +185,29 @@ def test_bench_imports_without_the_cluster_packages():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0 and "imported" in out.stdout, out.stderr[-2000:]
+
+
+def test_lr_values_reach_both_networks_of_dividemix(bench):
+    """``--lr-values`` sets the piecewise schedule of every network of the method, not only
+    the first (DivideMix trains two)."""
+    import argparse
+
+    import numpy as np
+
+    from pipeline.core.config import ModelConfig, OptimConfig, RunConfig
+    from pipeline.core.labels import LabelView
+    from pipeline.train.trainer import LocalTrainer, TensorData
+
+    y = np.arange(40) % 4
+    data = TensorData(torch.zeros(40, 1, 8, 8), LabelView(y, y, 4))
+    run = RunConfig(method="dividemix", model=ModelConfig("small_cnn", 1),
+                    optim=OptimConfig(epochs=4, pretrain_epochs=1, lr=0.1, milestones=(2,)))
+    trainer = LocalTrainer(run, data, data)
+    args = argparse.Namespace(lr_values=[0.3, 0.03], milestones=[2], lr=0.1)
+    bench["_set_schedule"](args, trainer, offset=0)
+    members = trainer.engine.members
+    assert len(members) == 2
+    for epoch, want in enumerate([0.3, 0.3, 0.03, 0.03]):
+        for m in members:
+            assert m.optimizer.param_groups[0]["lr"] == pytest.approx(want), (epoch, m)
+            m.scheduler.step()
