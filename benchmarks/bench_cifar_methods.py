@@ -43,8 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_cifar  # noqa: E402
 
+from pipeline.core.config import RunConfig  # noqa: E402
 from pipeline.core.noise import clean_view, open_set, shuffle_pixels, trusted_subset  # noqa: E402
-from pipeline.core.options import add_options
+from pipeline.core.options import FLAGS, UNSET, add_options, apply_point, dest
 from pipeline.data.cifar_memory import RandomCropFlip, channel_stats, load_cifar10, normalise
 from pipeline.train.trainer import LocalTrainer, TensorData  # noqa: E402
 
@@ -52,6 +53,12 @@ METHODS = ("ce", "bootstrap", "forward", "sadapt", "trevision", "lccn", "lccn_st
            "lccn_plus", "dividemix", "divide_lccn")
 SETTINGS = ("asym0.5", "sym0.5", "idn0.4", "open0.3")
 TRUSTED_FRACTION = 0.1
+# DivideMix's options a run may set (the library's defaults otherwise)
+DIVIDE_FLAGS = ("--lambda-u", "--conf-penalty", "--p-threshold", "--mixmatch-alpha")
+# the DivideMix authors' choices for asymmetric noise: the confidence penalty in the
+# warm-up (their code's `--noise_mode asym`) and no unlabelled loss (lambda_u 0, their
+# answer for asymmetric CIFAR-10 on the project's tracker)
+DIVIDE_ASYMMETRIC = {"divide.conf_penalty": True, "divide.lambda_u": 0.0}
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -66,6 +73,10 @@ def get_args_parser() -> argparse.ArgumentParser:
             a.default = Path("/tmp/lccn_methods/results")
     add_options(p, ("--outlier-prior",),
                 notes={"--outlier-prior": "of lccn_star and lccn_plus"})
+    add_options(p, DIVIDE_FLAGS, defaults={f: UNSET for f in DIVIDE_FLAGS},
+                notes={f: "of dividemix and divide_lccn; default: the authors' choice for "
+                          "the setting's noise (DIVIDE_ASYMMETRIC under asymmetric noise)"
+                       for f in DIVIDE_FLAGS})
     return p
 
 
@@ -101,8 +112,23 @@ def _show(method: str, epochs: int):
     return show
 
 
-def method_config(args: argparse.Namespace, method: str, seed: int, steps: int, view):
+def divide_point(args: argparse.Namespace, setting: str) -> dict:
+    """DivideMix's options for ``setting``: the authors' choices for asymmetric noise
+    (:data:`DIVIDE_ASYMMETRIC`) under ``asym*``, the library's defaults otherwise, and any
+    of ``DIVIDE_FLAGS`` given on the command line over both."""
+    point = dict(DIVIDE_ASYMMETRIC) if setting.startswith("asym") else {}
+    for flag in DIVIDE_FLAGS:
+        value = getattr(args, dest(flag), None)
+        if value is not None:
+            point[FLAGS[flag]] = value
+    return point
+
+
+def method_config(args: argparse.Namespace, method: str, seed: int, steps: int, view,
+                  setting: str = "") -> RunConfig:
     cfg = bench_cifar.run_config(args, "lccn", seed, steps)
+    if method in ("dividemix", "divide_lccn"):
+        cfg = apply_point(cfg, divide_point(args, setting))
     name, lc = method, cfg.lccn
     prior = {"outlier_prior": args.outlier_prior}
     if method == "lccn_star":
@@ -118,7 +144,7 @@ def run_one(args: argparse.Namespace, name: str, seed: int, method: str) -> dict
     if method == "lccn_plus":
         view = trusted_subset(view, TRUSTED_FRACTION, seed=seed)
     n_train = len(view) - int(round(args.val_fraction * len(view)))
-    cfg = method_config(args, method, seed, -(-n_train // args.batch_size), view)
+    cfg = method_config(args, method, seed, -(-n_train // args.batch_size), view, name)
     print(f"=== {name} seed {seed} {method}: realised noise {view.noise_rate():.3f}, "
           f"{len(view)} train images, {args.epochs} epochs ({args.pretrain_epochs} CE), "
           f"load average {os.getloadavg()}", flush=True)

@@ -211,3 +211,24 @@ def test_lr_values_reach_both_networks_of_dividemix(bench):
         for m in members:
             assert m.optimizer.param_groups[0]["lr"] == pytest.approx(want), (epoch, m)
             m.scheduler.step()
+
+
+def test_methods_bench_runs_dividemix_with_the_authors_asymmetric_choices():
+    """Under asymmetric noise DivideMix and DivideLCCN take the authors' choices (the
+    confidence penalty in the warm-up, lambda_u 0); elsewhere the library's defaults; a
+    flag given wins in both."""
+    from pipeline.core.config import DivideConfig
+
+    methods = runpy.run_path(str(ROOT / "benchmarks" / "bench_cifar_methods.py"),
+                             run_name="bench_cifar_methods")
+    parse, config = methods["get_args_parser"]().parse_args, methods["method_config"]
+    args = parse([])
+    for method in ("dividemix", "divide_lccn"):
+        asym = config(args, method, 0, 10, None, "asym0.5").divide
+        assert (asym.conf_penalty, asym.lambda_u) == (True, 0.0)
+        assert config(args, method, 0, 10, None, "sym0.5").divide == DivideConfig()
+    assert config(args, "lccn", 0, 10, None, "asym0.5").divide == DivideConfig()
+    given = parse(["--lambda-u", "5", "--no-conf-penalty"])
+    for setting in ("asym0.5", "sym0.5"):
+        d = config(given, "dividemix", 0, 10, None, setting).divide
+        assert (d.conf_penalty, d.lambda_u) == (False, 5.0)
