@@ -46,6 +46,7 @@ from pipeline.data.manifest import Manifest
 from pipeline.data.stream import check_label_view, check_splits
 from pipeline.dist.worker import DistConfig
 from pipeline.track.tracking import add_tracking_options, tracking_uri_of
+from pipeline.track.uris import redact_uri
 from pipeline.train.methods import get_method, registered
 
 _LCCN, _DIVIDE = LCCNConfig(), DivideConfig()
@@ -724,7 +725,7 @@ def run_job(args: argparse.Namespace, *, job: str, run: RunConfig, dist: DistCon
           f"({'GPU' if dist.use_gpu else 'CPU'}), method {run.method}, model {run.model.name}, "
           f"{run.optim.epochs} epochs ({run.optim.pretrain_epochs} CE), global batch "
           f"{run.optim.batch_size}, N = {len(view)}, K = {view.num_classes}; MLflow "
-          f"{dist.tracking_uri or 'off'}", flush=True)
+          f"{redact_uri(dist.tracking_uri) or 'off'}", flush=True)
     keys = None
     if run.method == "lccn" and run.lccn.outlier and "://" not in dist.train_source:
         from pipeline.data.split_labels import read_split_labels  # outliers.csv names each sample
@@ -751,7 +752,8 @@ def run_job(args: argparse.Namespace, *, job: str, run: RunConfig, dist: DistCon
     summary = {
         "job": job, "run_name": dist.run_name, "run_dir": dist.run_dir, "seconds": seconds,
         "metrics": metrics, "checkpoint": out["checkpoint"], "store": out["store"],
-        "mlflow_run_id": state.get("mlflow_run_id"), "tracking_uri": dist.tracking_uri,
+        "mlflow_run_id": state.get("mlflow_run_id"),
+        "tracking_uri": redact_uri(dist.tracking_uri),
         "epoch": state.get("epoch"), "global_step": state.get("global_step"),
         "history": state.get("history"),  # one row per epoch, data counters included
         "selected": selected_epoch(state.get("history") or []),

@@ -330,3 +330,33 @@ def test_latent_rows_without_class_names_name_the_outlier_row():
     assert latent_names(4, None, 3) == ["0", "1", "2", "outlier"]
     assert latent_names(3, None, 3) == ["0", "1", "2"]
     assert latent_names(4, ["a", "b", "c"], 3) == ["a", "b", "c", "outlier"]
+
+
+def test_uris_are_shown_without_their_password():
+    from pipeline.track.uris import redact_args, redact_uri
+
+    assert redact_uri("http://user:secret@host:5000/x?y=1") == "http://user:***@host:5000/x?y=1"
+    assert redact_uri("postgresql://me:p%40ss@db:5432/m") == "postgresql://me:***@db:5432/m"
+    for same in ("sqlite:////abs/mlflow.db", "http://127.0.0.1:5000", "http://user@host",
+                 "not a uri", None, ""):
+        assert redact_uri(same) == same
+    assert redact_args(["--tracking-uri", "http://u:secret@h", "--tracking-uri=http://u:secret@h",
+                        "--epochs", "3"]) == ["--tracking-uri", "http://u:***@h",
+                                              "--tracking-uri=http://u:***@h", "--epochs", "3"]
+
+
+def test_a_distributed_runs_parameters_never_carry_the_trackings_password(server):
+    """A Train worker logs its DistConfig as parameters: tracked on a real server through a
+    URI with ``user:secret@``, the run's parameters show ``user:***@`` and no password."""
+    from pipeline.dist.worker import DistConfig, _public
+
+    base = server.wait()
+    uri = base.replace("://", "://user:secret@", 1)
+    dist = DistConfig(run_name="r", run_dir="/runs", train_source="/shards/train",
+                      tracking_uri=uri)
+    tracker = Tracker(tracking_uri=uri, experiment="redact", run_name="r")
+    run_id = tracker.start({"dist": _public(dist)})
+    tracker.end()
+    params = MlflowClient(tracking_uri=base).get_run(run_id).data.params
+    assert params["dist.tracking_uri"] == base.replace("://", "://user:***@", 1)
+    assert not any("secret" in f"{k}={v}" for k, v in params.items())

@@ -56,6 +56,7 @@ from pipeline.core.options import apply_point
 from pipeline.dist.ray_train import release_orphaned_placement_groups
 from pipeline.track import plots
 from pipeline.track.tracking import Tracker, add_tracking_options, tracking_uri_of
+from pipeline.track.uris import redact_args, redact_uri
 from pipeline.train.methods import get_method
 from tune import pbt
 from tune.pbt import LOG_FILE as PBT_LOG_FILE
@@ -429,7 +430,8 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
             "grace_period": args.grace_period, "reduction_factor": args.reduction_factor,
             "perturbation_interval": args.perturbation_interval,
             "quantile_fraction": args.quantile_fraction,
-            "metric": metric, "mode": mode, "seed": args.seed, "job_args": " ".join(job_argv)}})
+            "metric": metric, "mode": mode, "seed": args.seed,
+            "job_args": " ".join(redact_args(job_argv))}})
     started = common.connect_ray()
     try:
         concurrent = max_concurrent(gpu=probe.gpu, num_workers=probe.num_workers,
@@ -445,7 +447,7 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
         print(f"[sweep] {name}: {'resuming, ' if restored else ''}{n_trials} trials of "
               f"{args.job} ({probe.epochs} epochs each), at most {concurrent} at once, "
               f"{args.scheduler} on {metric} ({mode}); in {sweep_dir}; MLflow "
-              f"{tracking or 'off'}", flush=True)
+              f"{redact_uri(tracking) or 'off'}", flush=True)
         if restored:
             tuner = tune.Tuner.restore(str(exp_path), trainable=trainable,
                                        resume_unfinished=True, resume_errored=True)

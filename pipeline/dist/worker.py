@@ -55,6 +55,7 @@ from pipeline.core.config import RunConfig
 from pipeline.core.labels import LabelView
 from pipeline.data.stream import LoaderConfig
 from pipeline.data.transforms import build_batch_transform
+from pipeline.track.uris import redact_uri
 from pipeline.train.chains import ChainSet, SharedChain, chain_seed
 from pipeline.train.checkpoints import load_state
 from pipeline.train.engine import Engine, EngineOptions, Tracking
@@ -273,6 +274,7 @@ def _public(dist: DistConfig) -> dict[str, Any]:
     d.pop("inject_failure")
     d.pop("class_names")
     d.pop("mlflow_tags")
+    d["tracking_uri"] = redact_uri(d["tracking_uri"])  # a parameter: no password
     return d
 
 

@@ -50,8 +50,10 @@ except ImportError:  # pragma: no cover
     MAX_METRICS_PER_BATCH, MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH = 1000, 6000, 100
 
 from pipeline.track import plots
+from pipeline.track.uris import redact_args, redact_uri
 
-__all__ = ["Tracker", "default_tracking_uri", "flatten_params", "write_transition_csv"]
+__all__ = ["Tracker", "default_tracking_uri", "flatten_params", "redact_args", "redact_uri",
+           "write_transition_csv"]
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +189,8 @@ class Tracker:
         exp = self.client.get_experiment_by_name(self.experiment)
         if exp is not None:
             if exp.lifecycle_stage != "active":
-                raise ValueError(f"MLflow experiment {self.experiment!r} at {self.tracking_uri} "
+                raise ValueError(f"MLflow experiment {self.experiment!r} at "
+                                 f"{redact_uri(self.tracking_uri)} "
                                  f"is deleted; restore it or pick another name")
             return exp.experiment_id
         try:
