@@ -88,7 +88,7 @@ BACKEND="${BACKEND:-sqlite:///$HOME_DIR/mlflow.db}"
 ARTIFACTS="${ARTIFACTS:-$HOME_DIR/artifacts}"
 case "$BACKEND" in
   sqlite:///*|postgresql://*|postgresql+*://*|mysql://*|mysql+*://*) ;;
-  *) die "backend store URI must be sqlite:///ABS_PATH or postgresql://..., got '$BACKEND'" ;;
+  *) die "backend store URI must be sqlite:///ABS_PATH or postgresql://..., got '$(printf '%s' "$BACKEND" | sed -E 's#:[^@/]*@#:***@#')'" ;;
 esac
 case "$ARTIFACTS" in *://*) ;; *) mkdir -p "$ARTIFACTS"; ARTIFACTS="$(cd "$ARTIFACTS" && pwd)" ;; esac
 
@@ -96,7 +96,10 @@ if [ -f "$PID_FILE" ] && kill -0 "$(cat "$PID_FILE")" 2>/dev/null; then
   die "a server started from $HOME_DIR is running (pid $(cat "$PID_FILE")); --stop it first"
 fi
 
-args=(server --backend-store-uri "$BACKEND" --host "$HOST" --port "$PORT" --workers "$WORKERS")
+# the backend store URI (which may carry a password) reaches the server in its environment
+# variable, never on a command line that ps shows to every user of the machine
+export MLFLOW_BACKEND_STORE_URI="$BACKEND"
+args=(server --host "$HOST" --port "$PORT" --workers "$WORKERS")
 if [ "$SERVE" = 1 ]; then
   args+=(--serve-artifacts --artifacts-destination "$ARTIFACTS")
 else
@@ -138,9 +141,11 @@ until "$MLFLOW_PYTHON" -c "import sys, urllib.request; sys.exit(urllib.request.u
   sleep 0.5
 done
 
+# what is printed shows user:***@ in place of a password
+SHOWN_BACKEND="$(printf '%s' "$BACKEND" | sed -E 's#^([a-z0-9+]+://[^:/@]*):[^@/]*@#\1:***@#')"
 cat >&2 <<EOF
 mlflow-server.sh: serving at $URI (pid $(cat "$PID_FILE"), log $LOG_FILE)
-  backend store: $BACKEND
+  backend store: $SHOWN_BACKEND
   artifacts:     $ARTIFACTS ($( [ "$SERVE" = 1 ] && echo proxied by the server || echo written by clients ))
   stop with:     $0 --home $HOME_DIR --stop
 EOF

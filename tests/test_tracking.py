@@ -360,3 +360,28 @@ def test_a_distributed_runs_parameters_never_carry_the_trackings_password(server
     params = MlflowClient(tracking_uri=base).get_run(run_id).data.params
     assert params["dist.tracking_uri"] == base.replace("://", "://user:***@", 1)
     assert not any("secret" in f"{k}={v}" for k, v in params.items())
+
+
+def test_mlflow_server_script_keeps_the_backend_password_off_command_lines(tmp_path):
+    """infra/mlflow-server.sh hands a backend store URI with a password to the server in
+    MLFLOW_BACKEND_STORE_URI, not on its command line (which ps shows to every user), and
+    prints it masked. A stand-in interpreter records what the server would have got."""
+    record = tmp_path / "record"
+    fake = tmp_path / "python"
+    fake.write_text("#!/usr/bin/env bash\n"
+                    f"if [ \"$1\" = -m ]; then echo \"argv: $*\" >> {record}; "
+                    f"echo \"env: $MLFLOW_BACKEND_STORE_URI\" >> {record}; "
+                    "echo 'cannot reach the database' >&2; exit 1; fi\n"
+                    "[ \"$2\" = 'import mlflow' ]\n")   # the health probe fails
+    fake.chmod(0o755)
+    uri = "postgresql://mlflow:s3cret@127.0.0.1:1/mlflow"
+    env = {**os.environ, "MLFLOW_PYTHON": str(fake)}
+    done = subprocess.run(["bash", str(Path(__file__).resolve().parents[1] / "infra" /
+                                       "mlflow-server.sh"), "--home", str(tmp_path / "home"),
+                           "--backend-store-uri", uri, "--timeout", "20"],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode != 0 and "exited during start-up" in done.stderr
+    lines = record.read_text().splitlines()
+    assert lines[0].startswith("argv: -m mlflow server") and "s3cret" not in lines[0]
+    assert lines[1] == f"env: {uri}"
+    assert "s3cret" not in done.stdout + done.stderr
