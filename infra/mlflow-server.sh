@@ -2,7 +2,7 @@
 # Start an MLflow tracking server for LCCN runs, wait until it answers /health, and print
 # the MLFLOW_TRACKING_URI to export. Jobs read that variable (pipeline.track.tracking).
 #
-#   infra/mlflow-server.sh                       # sqlite + proxied artifacts under ./mlflow-server
+#   infra/mlflow-server.sh                       # sqlite + proxied artifacts under ~/.lccn/mlflow-server
 #   eval "$(infra/mlflow-server.sh)"             # ... and export MLFLOW_TRACKING_URI here
 #   infra/mlflow-server.sh --backend-store-uri postgresql://mlflow:PW@db:5432/mlflow \
 #                          --artifacts s3://my-bucket/mlflow --host 0.0.0.0
@@ -20,17 +20,24 @@
 #   --no-serve-artifacts     clients write --artifacts themselves (it must be reachable and
 #                            writable from every node)
 #   --host ADDR              [MLFLOW_HOST]  default 127.0.0.1 (local only). For a cluster,
-#                            bind 0.0.0.0 and set MLFLOW_ALLOWED_HOSTS (e.g. "10.*,mlflow.internal")
+#                            bind 0.0.0.0 (and keep the port behind a firewall: see below)
+#   MLFLOW_ALLOWED_HOSTS     Host headers admitted besides MLflow's defaults (loopback and
+#                            private addresses, any port: localhost:5000, 172.31.4.5:5000),
+#                            e.g. "mlflow.lccn.svc.cluster.local:*" for a Kubernetes Service
+#                            name. A DNS-rebinding check of the Host header, not access
+#                            control: firewall the port, or use --auth
 #   --port N                 [MLFLOW_PORT]  default 5000
 #   --workers N              [MLFLOW_WORKERS]  uvicorn workers, default 2
-#   --home DIR               [MLFLOW_HOME]  default ./mlflow-server (db, artifacts, log, pid)
+#   --home DIR               [MLFLOW_HOME]  default ~/.lccn/mlflow-server (db, artifacts, log,
+#                            pid): outside the checkout, which `ray job submit --working-dir .`
+#                            uploads
 #   --timeout S              [MLFLOW_HEALTH_TIMEOUT]  seconds to wait for /health, default 120
 #   MLFLOW_PYTHON            interpreter with mlflow installed; default .venv/bin/python of
 #                            this checkout if present, else python3
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-HOME_DIR="${MLFLOW_HOME:-$PWD/mlflow-server}"
+HOME_DIR="${MLFLOW_HOME:-$HOME/.lccn/mlflow-server}"
 HOST="${MLFLOW_HOST:-127.0.0.1}"
 PORT="${MLFLOW_PORT:-5000}"
 WORKERS="${MLFLOW_WORKERS:-2}"
@@ -105,8 +112,12 @@ if [ "$SERVE" = 1 ]; then
 else
   args+=(--no-serve-artifacts --default-artifact-root "$ARTIFACTS")
 fi
+# MLflow's own default Host patterns (loopback and private addresses with any port) plus
+# the extra ones: a list given to MLflow replaces its defaults, so they are spelled out
 if [ -n "${MLFLOW_ALLOWED_HOSTS:-}" ]; then
-  args+=(--allowed-hosts "$MLFLOW_ALLOWED_HOSTS")
+  defaults="$("$MLFLOW_PYTHON" -c 'from mlflow.server.security_utils import get_default_allowed_hosts as d; print(",".join(d()))')" \
+    || die "cannot read MLflow's default allowed hosts with $MLFLOW_PYTHON"
+  export MLFLOW_SERVER_ALLOWED_HOSTS="$defaults,$MLFLOW_ALLOWED_HOSTS"
 fi
 
 # MLflow's background job runner (GenAI evaluation jobs) is not used by these pipelines; it

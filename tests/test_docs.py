@@ -216,3 +216,25 @@ def test_user_guide_covers_the_journey():
         assert phrase in text, phrase
     readme = (REPO / "README.md").read_text()
     assert "docs/guide.md" in readme and "docs/label-issues.md" in readme
+
+
+def test_the_kuberay_job_is_a_command_the_job_accepts_and_can_start():
+    """The RayJob's entrypoint parses with the job's own parser, and a remote training split
+    comes with its label view (without one the job exits at once); the header's commands of
+    the project parse too."""
+    import shlex
+
+    import yaml
+
+    text = (REPO / "infra" / "kuberay-rayjob.yaml").read_text()
+    argv = shlex.split(yaml.safe_load(text)["spec"]["entrypoint"])
+    assert argv[:2] == ["python", "jobs/webvision_divide_lccn.py"] and _check_command(argv)
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(REPO / "jobs"))
+    args = importlib.import_module("webvision_divide_lccn").get_args_parser().parse_args(argv[2:])
+    assert "://" in args.train_shards and args.label_view is not None
+    header = [line.lstrip("# ").split("  #")[0] for line in text.splitlines()
+              if line.startswith("#   lccn-")]
+    assert header and all(_check_command(shlex.split(cmd)) for cmd in header)

@@ -362,26 +362,57 @@ def test_a_distributed_runs_parameters_never_carry_the_trackings_password(server
     assert not any("secret" in f"{k}={v}" for k, v in params.items())
 
 
-def test_mlflow_server_script_keeps_the_backend_password_off_command_lines(tmp_path):
-    """infra/mlflow-server.sh hands a backend store URI with a password to the server in
-    MLFLOW_BACKEND_STORE_URI, not on its command line (which ps shows to every user), and
-    prints it masked. A stand-in interpreter records what the server would have got."""
+def _server_script(tmp_path: Path, *args: str, **env: str):
+    """infra/mlflow-server.sh with a stand-in interpreter: ``-c`` runs in this Python
+    (except the health probe, which fails), ``-m mlflow server`` records its argv and
+    environment and exits 1 (the script then reports a failed start-up). Returns the
+    completed script and the recorded lines."""
     record = tmp_path / "record"
     fake = tmp_path / "python"
     fake.write_text("#!/usr/bin/env bash\n"
                     f"if [ \"$1\" = -m ]; then echo \"argv: $*\" >> {record}; "
                     f"echo \"env: $MLFLOW_BACKEND_STORE_URI\" >> {record}; "
+                    f"echo \"hosts: ${{MLFLOW_SERVER_ALLOWED_HOSTS:-}}\" >> {record}; "
                     "echo 'cannot reach the database' >&2; exit 1; fi\n"
-                    "[ \"$2\" = 'import mlflow' ]\n")   # the health probe fails
+                    "case \"$2\" in *urlopen*) exit 1 ;; esac\n"
+                    f"exec {sys.executable} \"$@\"\n")
     fake.chmod(0o755)
-    uri = "postgresql://mlflow:s3cret@127.0.0.1:1/mlflow"
-    env = {**os.environ, "MLFLOW_PYTHON": str(fake)}
+    full = {**os.environ, "MLFLOW_PYTHON": str(fake)}
+    full.pop("MLFLOW_ALLOWED_HOSTS", None)
+    full.update(env)
     done = subprocess.run(["bash", str(Path(__file__).resolve().parents[1] / "infra" /
                                        "mlflow-server.sh"), "--home", str(tmp_path / "home"),
-                           "--backend-store-uri", uri, "--timeout", "20"],
-                          capture_output=True, text=True, env=env, timeout=60)
-    assert done.returncode != 0 and "exited during start-up" in done.stderr
-    lines = record.read_text().splitlines()
+                           "--port", str(_free_port()), "--timeout", "20", *args],
+                          capture_output=True, text=True, env=full, timeout=120)
+    assert done.returncode != 0 and "exited during start-up" in done.stderr, done.stderr
+    return done, record.read_text().splitlines()
+
+
+def test_mlflow_server_script_keeps_the_backend_password_off_command_lines(tmp_path):
+    """infra/mlflow-server.sh hands a backend store URI with a password to the server in
+    MLFLOW_BACKEND_STORE_URI, not on its command line (which ps shows to every user), and
+    prints it masked."""
+    uri = "postgresql://mlflow:s3cret@127.0.0.1:1/mlflow"
+    done, lines = _server_script(tmp_path, "--backend-store-uri", uri)
     assert lines[0].startswith("argv: -m mlflow server") and "s3cret" not in lines[0]
     assert lines[1] == f"env: {uri}"
     assert "s3cret" not in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("extra", ["", "mlflow.lccn.svc.cluster.local:*"])
+def test_mlflow_server_script_admits_the_documented_addresses(tmp_path, extra):
+    """The Host patterns the script gives the server, checked with MLflow's own function:
+    a VPC address (172.31.x.y, outside 172.16.*), an SSH tunnel's localhost:5000 and, with
+    MLFLOW_ALLOWED_HOSTS, a Kubernetes Service name, all with their port; an outside name
+    is refused."""
+    from mlflow.server.security_utils import get_default_allowed_hosts, is_allowed_host_header
+
+    env = {"MLFLOW_ALLOWED_HOSTS": extra} if extra else {}
+    _, lines = _server_script(tmp_path, **env)
+    given = lines[2].removeprefix("hosts: ")
+    allowed = given.split(",") if given else get_default_allowed_hosts()
+    hosts = ["172.31.4.5:5000", "localhost:5000", "127.0.0.1:5000", "10.0.0.7:5000",
+             "192.168.1.2:5000"] + (["mlflow.lccn.svc.cluster.local:5000"] if extra else [])
+    for host in hosts:
+        assert is_allowed_host_header(allowed, host), (host, allowed)
+    assert not is_allowed_host_header(allowed, "evil.example.com:5000")
