@@ -369,10 +369,13 @@ def create_store_actor(run_name: str, observed: Tensor, z_init: Tensor, k_latent
 
     Named ``lccn-store-<run_name>`` in the job's namespace; ``max_restarts=-1`` so a dead
     actor comes back (empty, unfenced: the worker group then restores it from the last
-    checkpoint); ``num_cpus=0`` so it never takes a CPU a Train worker needs. Raises
-    ValueError if a live run of the same name already holds the name.
+    checkpoint); ``num_cpus=0`` so it never takes a CPU a Train worker needs; placed on the
+    driver's node (the head, under ``ray job submit``), softly: if that node is gone, Ray
+    restarts it elsewhere. Raises ValueError if a live run of the same name already holds
+    the name.
     """
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     name = store_actor_name(run_name)
     try:
@@ -383,6 +386,8 @@ def create_store_actor(run_name: str, observed: Tensor, z_init: Tensor, k_latent
         raise ValueError(f"a confusion actor {name!r} is alive in this namespace: is run "
                          f"{run_name!r} already running? (pick another --run-name)")
     cls = ray.remote(StoreActor)
+    here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(),
+                                           soft=True)
     return cls.options(name=name, max_restarts=-1, max_task_retries=max_task_retries,
-                       num_cpus=0).remote(observed, z_init, k_latent, num_classes,
-                                          counted=counted)
+                       num_cpus=0, scheduling_strategy=here).remote(
+        observed, z_init, k_latent, num_classes, counted=counted)
