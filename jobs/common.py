@@ -292,6 +292,9 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
     g.add_argument("--shuffle-buffer", type=int, default=1000)
     g.add_argument("--checkpoint-every", type=int, default=0,
                    help="also checkpoint every N steps inside an epoch (0: end of epoch only)")
+    g.add_argument("--progress-seconds", type=float, default=60.0,
+                   help="inside an epoch, a progress line (images/s, the epoch's ETA) every "
+                        "this many seconds; a bar on a terminal; 0: per-epoch lines only")
     g.add_argument("--max-failures", type=int, default=1,
                    help="worker-group restarts from the last checkpoint before giving up")
     add_tracking_options(g, store="<run-dir>")
@@ -488,7 +491,8 @@ def dist_config(args: argparse.Namespace, *, run_name: str, train: str, test: st
         pretrained=args.pretrained, tracking_uri=tracking, experiment=args.experiment,
         class_names=tuple(class_names), inject_failure=args.inject_failure,
         verify_checksums=args.verify_checksums, s3_endpoint_url=args.s3_endpoint_url,
-        init_from=_init_from(args, run_dir / "train" / run_name))
+        init_from=_init_from(args, run_dir / "train" / run_name),
+        progress_seconds=args.progress_seconds)
 
 
 def _init_from(args: argparse.Namespace, own_checkpoints: Path) -> str | None:

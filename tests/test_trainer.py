@@ -579,3 +579,42 @@ def test_a_resume_keeps_the_runs_weight_decay_and_names_a_changed_norm_weight_de
     resumed.engine.prepare()
     assert resumed.engine.start_epoch == 1
     assert [g["weight_decay"] for g in resumed.engine.members[0].optimizer.param_groups] == [1e-3]
+
+
+def test_progress_lines_inside_an_epoch():
+    """EpochProgress: a line every ``every_s`` seconds with the step, the fraction, images/s
+    and the epoch's ETA at that rate, the same figures to the log; none at the pass's end
+    (the epoch line follows); a resumed epoch's rate counts only its own steps."""
+    import io
+
+    from pipeline.train.progress import EpochProgress, format_seconds
+
+    now = [0.0]
+    out, logged = io.StringIO(), []
+    p = EpochProgress(label="run", epoch=1, epochs=3, steps=10, start=2, images_per_step=64,
+                      every_s=5.0, stream=out, log=lambda m, step: logged.append((step, m)),
+                      clock=lambda: now[0])
+    for i in range(8):          # 2 s a step: lines after steps 3 and 6 (6 s, 12 s)
+        now[0] += 2.0
+        p.step(100 + i)
+    p.close()
+    lines = out.getvalue().splitlines()
+    assert lines == ["[run] epoch 2/3  step 5/10 (50%)  32.0 img/s  epoch ETA 10s",
+                     "[run] epoch 2/3  step 8/10 (80%)  32.0 img/s  epoch ETA 4s"]
+    assert [s for s, _ in logged] == [102, 105]
+    assert logged[0][1] == {"progress_images_per_s": 32.0, "progress_epoch_fraction": 0.5}
+    assert (format_seconds(3725), format_seconds(65), format_seconds(float("inf"))) == \
+        ("1h02m", "1m05s", "?")
+
+
+def test_the_trainer_reports_progress_inside_its_epochs(capsys):
+    xtr, ytr, xte, yte = _digits()
+    view = pair_flip(ytr, 10, CIFAR10_ASYM_MAP, 0.4, seed=0)
+    cfg = replace(_short_cfg(), method="ce", optim=replace(_short_cfg().optim, epochs=1))
+    LocalTrainer(cfg, TensorData(xtr, view), TensorData(xte, clean_view(yte)),
+                 progress_seconds=1e-9).fit()
+    lines = [x for x in capsys.readouterr().out.splitlines() if " step " in x]
+    steps = -(-len(LocalTrainer(cfg, TensorData(xtr, view),
+                                TensorData(xte, clean_view(yte))).train_rows) // 64)
+    assert len(lines) == steps - 1 and lines[0].startswith("[local] epoch 1/1  step 1/")
+    assert all("img/s" in x and "epoch ETA" in x for x in lines)

@@ -102,6 +102,8 @@ class DistConfig:
         ``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL`` on each worker, else AWS).
     init_from: a fresh run starts from the weights of this checkpoint, checkpoint folder
         or finished run (``pipeline.train.checkpoints.init_state_file``); a resumed run ignores it.
+    progress_seconds: rank 0 reports its progress inside an epoch every this many seconds
+        (images/s, the epoch's ETA; ``pipeline.train.progress``); 0: one line per epoch only.
     mlflow_tags: ``(key, value)`` pairs set on the MLflow run when it is created (a sweep
         trial: ``mlflow.parentRunId`` of the sweep's parent run and its trial id).
     """
@@ -126,6 +128,7 @@ class DistConfig:
     verify_checksums: bool = True
     s3_endpoint_url: str | None = None
     init_from: str | None = None
+    progress_seconds: float = 60.0
     mlflow_tags: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
@@ -265,7 +268,8 @@ def run_worker(run: RunConfig, dist: DistConfig, view: LabelView, store: Any,
                             pretrained=dist.pretrained, lr_values=dist.lr_values,
                             tracking=tracking, after_step=lambda step: failures(step, stores[0]),
                             normalize=build_batch_transform(dist.preset) if cuda else None,
-                            sample_keys=keys, init_from=dist.init_from)
+                            sample_keys=keys, init_from=dist.init_from,
+                            progress_seconds=dist.progress_seconds)
     return Engine(run, session, data, chain=chain, options=options).fit()
 
 

@@ -78,6 +78,7 @@ from pipeline.train.loop import run_pass
 from pipeline.train.members import Member, ema_decay_at, make_scheduler, param_groups
 from pipeline.train.methods import get_method
 from pipeline.train.models import build_model
+from pipeline.train.progress import EpochProgress
 from pipeline.train.session import Session
 
 
@@ -135,6 +136,9 @@ class EngineOptions:
     # a fresh run starts from the weights of another run's checkpoint (init_state_file:
     # a finished CE run, the paper's code's protocol); a resumed run ignores it
     init_from: str | None = None
+    # rank 0 reports its progress inside an epoch every this many seconds (a tqdm bar on a
+    # terminal, else a plain line and two MLflow metrics: pipeline.train.progress); 0: off
+    progress_seconds: float = 0.0
 
 
 _REDUCED = ("loss", "label_recovery", "changed", "staleness", "gamma", "step_time",
@@ -418,6 +422,15 @@ class Engine:
             extra = method.start_noise_phase(epoch)
         method.begin_epoch(epoch, train_pass.steps_per_epoch)
         done = {"in_epoch": first_batch}
+        progress = None
+        if self.options.progress_seconds > 0 and session.rank == 0:
+            tracker = self.tracker
+            progress = EpochProgress(
+                label=self.options.run_name, epoch=epoch, epochs=o.epochs,
+                steps=train_pass.steps_per_epoch, start=first_batch,
+                images_per_step=o.batch_size, every_s=self.options.progress_seconds,
+                log=None if tracker is None else
+                (lambda metrics, step: tracker.log_metrics(metrics, step=step)))
 
         ema = self.run.optim.ema_decay
 
@@ -434,9 +447,15 @@ class Engine:
                                                        "global_step": float(self.global_step)})
             if self.options.after_step is not None:
                 self.options.after_step(self.global_step)
+            if progress is not None:
+                progress.step(self.global_step)
 
-        stats = run_pass(method.train_task(epoch), train_pass, device=self.device,
-                         after_step=after_step)
+        try:
+            stats = run_pass(method.train_task(epoch), train_pass, device=self.device,
+                             after_step=after_step)
+        finally:
+            if progress is not None:
+                progress.close()
         method.end_pass(epoch)
         lr = method.applied_lr(epoch)  # this epoch's, not the next's
         for m in self.members:

@@ -146,14 +146,15 @@ class LocalTrainer:
     (:class:`~pipeline.train.engine.Tracking`); normalize: a module every network applies to
     uint8 batches before its forward (training, evaluation and prediction alike), for
     images stored as uint8 and normalised after augmentation (e.g.
-    :class:`~pipeline.data.transforms.PerImageStandardize`).
+    :class:`~pipeline.data.transforms.PerImageStandardize`); progress_seconds: a progress
+    line inside each epoch every this many seconds (:mod:`pipeline.train.progress`; 0: off).
     """
 
     def __init__(self, cfg: RunConfig, train: TensorData, test: TensorData, *,
                  device: str = "cpu", session: Session | None = None,
                  out_dir: str | None = None, keys: Sequence[str] | None = None,
                  tracking: Tracking | None = None,
-                 normalize: nn.Module | None = None) -> None:
+                 normalize: nn.Module | None = None, progress_seconds: float = 0.0) -> None:
         k = train.labels.num_classes
         if test.labels.num_classes != k:
             raise ValueError(f"train has {k} classes but test has {test.labels.num_classes}")
@@ -186,7 +187,8 @@ class LocalTrainer:
                                                    raise_on_collapse=True,
                                                    out_dir=None if out_dir is None else str(out_dir),
                                                    sample_keys=keys, tracking=tracking,
-                                                   normalize=normalize))
+                                                   normalize=normalize,
+                                                   progress_seconds=progress_seconds))
         self.k_latent = self.engine.k_latent
 
     # -- the engine's state, under the names callers use ---------------------------------------
