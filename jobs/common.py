@@ -478,6 +478,27 @@ def apply_smoke(args: argparse.Namespace) -> None:
     args.checkpoint_every = args.checkpoint_every or 10
 
 
+# below this many images per GPU, batch-norm statistics are noisy enough to cost accuracy
+MIN_BATCH_PER_GPU = 16
+
+
+def small_batch_warning(run: RunConfig, dist: DistConfig) -> str | None:
+    """A warning when ``OptimConfig.batch_size`` (global) split over the GPUs leaves fewer
+    than :data:`MIN_BATCH_PER_GPU` images per GPU (e.g. the Clothing1M recipe's 32 over 8
+    GPUs), with the batch and the linearly scaled lr that reach the floor; None otherwise."""
+    if not dist.use_gpu:
+        return None
+    per = run.optim.batch_size / dist.num_workers
+    if per >= MIN_BATCH_PER_GPU:
+        return None
+    batch = MIN_BATCH_PER_GPU * dist.num_workers
+    lr = run.optim.lr * batch / run.optim.batch_size
+    return (f"warning: global batch {run.optim.batch_size} over {dist.num_workers} GPUs is "
+            f"{per:g} images per GPU: batch-norm statistics from so few are noisy. Consider "
+            f"--batch-size {batch} with the lr scaled linearly, --lr {lr:g} (the recipe's "
+            f"{run.optim.lr:g} x {batch}/{run.optim.batch_size}), or fewer GPUs")
+
+
 def dist_config(args: argparse.Namespace, *, run_name: str, train: str, test: str | None,
                 class_names: list[str], transform: str) -> DistConfig:
     resolve_recipe(args)
@@ -723,7 +744,7 @@ def run_job(args: argparse.Namespace, *, job: str, run: RunConfig, dist: DistCon
     if run.lccn.use_trusted and not view.trusted.any():
         raise SystemExit("error: LCCN+ (a trusted-set option) was asked for, but the label view "
                          "has no trusted samples")
-    for line in log or []:
+    for line in [*(log or []), *filter(None, [small_batch_warning(run, dist)])]:
         print(line, flush=True)
     print(f"[{job}] run {dist.run_name!r} in {dist.run_dir}: {dist.num_workers} workers "
           f"({'GPU' if dist.use_gpu else 'CPU'}), method {run.method}, model {run.model.name}, "

@@ -897,3 +897,18 @@ def test_packed_wire_format_round_trips_a_push():
             assert torch.equal(getattr(got, name), getattr(want, name)), name
         assert got.z.dtype == torch.int64 and got.z.numel() == (6 if full_z else 0)
         assert torch.equal(a.counts, b.counts) and torch.equal(a.z, b.z)
+
+
+def test_each_worker_reserves_its_cpus_with_a_gpu_too():
+    """--cpus-per-worker reaches Ray's reservation with --gpu as without (it was dropped
+    with a GPU: 1 CPU per worker for 8 decode processes)."""
+    ray_train = pytest.importorskip("ray.train")
+    from pipeline.dist.ray_train import worker_resources
+
+    assert worker_resources(True, 10) == {"CPU": 10.0, "GPU": 1.0}
+    assert worker_resources(False, 2) == {"CPU": 2.0}
+    scaling = ray_train.ScalingConfig(num_workers=8, use_gpu=True,
+                                      resources_per_worker=worker_resources(True, 10))
+    assert scaling._resources_per_worker_not_none == {"CPU": 10.0, "GPU": 1.0}
+    with pytest.raises(ValueError, match="cpus_per_worker must be > 0"):
+        worker_resources(True, 0)

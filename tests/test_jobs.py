@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -689,3 +690,17 @@ def test_ray_job_submit_webvision_divide_lccn_smoke(ray_head, tmp_path):
     m = result["metrics"]
     assert m["store_duplicates_chain0"] == m["store_duplicates_chain1"] == 0
     assert abs(sum(result["transition"][0]) - 1) < 1e-9 and result["mlflow_run_id"]
+
+
+def test_a_few_images_per_gpu_are_warned_about_with_the_scaled_lr():
+    """The Clothing1M recipe's global batch 32 on 8 GPUs is 4 images per GPU: the job says
+    so, with the batch and the linearly scaled lr that reach 16 per GPU; one GPU, or CPUs,
+    get no warning."""
+    args, run = _configs(clothing1m_lccn, ["--data", "/x"])
+    dist = common.DistConfig(run_name="r", run_dir="/r", train_source="/s", num_workers=8,
+                             use_gpu=True)
+    text = common.small_batch_warning(run, dist)
+    assert run.optim.batch_size == 32 and "4 images per GPU" in text
+    assert f"--batch-size 128 with the lr scaled linearly, --lr {run.optim.lr * 4:g}" in text
+    assert common.small_batch_warning(run, dataclasses.replace(dist, num_workers=1)) is None
+    assert common.small_batch_warning(run, dataclasses.replace(dist, use_gpu=False)) is None

@@ -335,6 +335,14 @@ def initial_assignment_placeholder(view: LabelView, run: RunConfig) -> tuple[Ten
     return z, counted
 
 
+def worker_resources(use_gpu: bool, cpus_per_worker: float) -> dict[str, float]:
+    """What each Train worker reserves: ``cpus_per_worker`` CPUs (its loader processes
+    decode on them), and one GPU with ``use_gpu``."""
+    if cpus_per_worker <= 0:
+        raise ValueError(f"cpus_per_worker must be > 0, got {cpus_per_worker}")
+    return {"CPU": float(cpus_per_worker), **({"GPU": 1.0} if use_gpu else {})}
+
+
 def fit_distributed(run: RunConfig, dist: DistConfig, view: LabelView, *,
                     max_failures: int = 1, threads_per_worker: int | None = None,
                     cpus_per_worker: float = 1.0,
@@ -392,7 +400,7 @@ def fit_distributed(run: RunConfig, dist: DistConfig, view: LabelView, *,
         train_loop_per_worker, train_loop_config=config,
         scaling_config=ray.train.ScalingConfig(
             num_workers=dist.num_workers, use_gpu=dist.use_gpu,
-            resources_per_worker=None if dist.use_gpu else {"CPU": cpus_per_worker}),
+            resources_per_worker=worker_resources(dist.use_gpu, cpus_per_worker)),
         torch_config=TorchConfig(backend="nccl" if dist.use_gpu else "gloo"),
         run_config=ray.train.RunConfig(
             name=dist.run_name, storage_path=str(Path(dist.run_dir) / "train"),
