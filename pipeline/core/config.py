@@ -266,6 +266,10 @@ class OptimConfig:
         paper's CIFAR code evaluates with 0.9999 (at its lr of 0.5 the live weights of a
         noisy run swing by tens of points from one epoch to the next; the average steadied
         that only partly in 29 epochs measured on a GPU: ``benchmarks/results/gpu.md``).
+        Its effective window is about ``1 / (1 - ema_decay)`` steps (the average's weights
+        fall to 1/e after that many): 0.9999 averages ~10,000 steps, 26 epochs of CIFAR-10 at
+        batch 128 (391 steps an epoch), 0.999 ~1,000 steps (2.6 epochs); pick it from the
+        steps of the phase to be averaged, e.g. ``1 - 1 / (steps_per_epoch x epochs)``.
     norm_weight_decay: the weight decay of the normalisation layers' parameters (batch-norm
         scale and shift, and those of group-, layer- and instance-norm); None (default):
         ``weight_decay``, as every other parameter. The paper's CIFAR code leaves them out of
