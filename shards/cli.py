@@ -83,7 +83,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         p.add_argument("--download", action="store_true",
                        help="download the pickles into SRC first (needs internet)")
 
-    p = sub.add_parser("imagefolder", help="SRC/<split>/<class>/<file> tree")
+    p = sub.add_parser("imagefolder", help="SRC/<split>/<class>/<file> tree, or SRC/<class>/<file> "
+                                            "(one split, train)")
     _common(p, images=True)
     p.add_argument("--splits", nargs="+", help="split folders (default: all)")
     p.add_argument("--classes", nargs="+", help="class names in label order (default: sorted)")

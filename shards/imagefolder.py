@@ -1,4 +1,6 @@
-"""Any ``root/<split>/<class>/<file>`` image tree -> shards (original bytes kept).
+"""Any ``root/<split>/<class>/<file>`` image tree -> shards (original bytes kept); a plain
+``root/<class>/<file>`` tree (no split folders: the commonest layout of one's own data) is
+one split, ``train`` (``flat_split``), from which the jobs carve their noisy validation split.
 
 Classes are the class folders of all converted splits together, sorted by name (so every
 split uses the same label indices), or an explicit ``classes`` list (folders not in it are an
@@ -70,6 +72,18 @@ def find_splits(src: str | os.PathLike) -> list[str]:
     return _visible_dirs(src)
 
 
+def is_class_tree(src: str | os.PathLike) -> bool:
+    """Whether ``src`` is a ``<class>/<file>`` tree: some visible subfolder holds image
+    files itself (split folders hold only class folders)."""
+    src = Path(src)
+    for d in find_splits(src):
+        for e in os.scandir(src / d):
+            if e.is_file() and not e.name.startswith(".") \
+                    and Path(e.name).suffix.lower() in IMAGE_EXTENSIONS:
+                return True
+    return False
+
+
 def split_records(split_dir: Path, files: Mapping[str, Sequence[str]], classes: Sequence[str],
                   *, labels_unverified: bool = False,
                   per_class: int | None = None) -> list[SampleRecord]:
@@ -103,10 +117,13 @@ def convert(
     progress: bool = True,
     per_class: int | None = None,
     shuffle_seed: int | None = 0,
+    flat_split: str = "train",
 ) -> dict[str, Manifest]:
-    """Convert ``src/<split>/<class>/...`` to ``out_dir/<split>/`` shards.
+    """Convert ``src/<split>/<class>/...`` to ``out_dir/<split>/`` shards, or a plain
+    ``src/<class>/...`` tree (:func:`is_class_tree`) to the one split ``out_dir/<flat_split>/``.
 
-    ``splits``: which split folders (default: every visible subfolder of ``src``).
+    ``splits``: which split folders (default: every visible subfolder of ``src``; not with a
+    plain class tree).
     ``classes``: class names in label order (default: sorted union of class folders).
     ``per_class``: keep the first N files of each class of each split (default: all).
     ``shuffle_seed``: write each split in this seeded random order (None: class order).
@@ -115,14 +132,23 @@ def convert(
                                   or per_class < 1):
         raise ShardError(f"per_class must be a positive integer, got {per_class!r}")
     src = Path(src)
-    splits = list(splits) if splits is not None else find_splits(src)
+    flat = is_class_tree(src)
+    if flat and splits is not None:
+        raise ShardError(f"{src}: a <class>/<file> tree (class folders hold the images) has no "
+                         f"split folders to choose; leave out the split list {list(splits)}")
+    if flat:
+        splits, split_dirs = [flat_split], {flat_split: src}
+    else:
+        splits = list(splits) if splits is not None else find_splits(src)
+        split_dirs = {s: src / s for s in splits}
     if not splits:
-        raise ShardError(f"{src}: no split folders (expected {src}/<split>/<class>/<file>)")
+        raise ShardError(f"{src}: no split folders (expected {src}/<split>/<class>/<file> or "
+                         f"{src}/<class>/<file>)")
     class_dirs: dict[str, list[str]] = {}
     for split in splits:
-        if not (src / split).is_dir():
-            raise ShardError(f"{src / split}: split folder not found")
-        class_dirs[split] = _visible_dirs(src / split)
+        if not split_dirs[split].is_dir():
+            raise ShardError(f"{split_dirs[split]}: split folder not found")
+        class_dirs[split] = _visible_dirs(split_dirs[split])
     found = sorted(set().union(*class_dirs.values()))
     if classes is None:
         classes = found
@@ -133,9 +159,11 @@ def convert(
         for split, dirs in class_dirs.items():
             extra = sorted(set(dirs) - set(classes))
             if extra:
-                raise ShardError(f"{src / split}: class folder(s) {extra} not in the class list")
+                raise ShardError(f"{split_dirs[split]}: class folder(s) {extra} not in the "
+                                 f"class list")
         # a listed class may be missing from one split, not from every split of src
-        anywhere = set(found).union(*(_visible_dirs(src / s) for s in find_splits(src)))
+        anywhere = set(found) if flat else \
+            set(found).union(*(_visible_dirs(src / s) for s in find_splits(src)))
         absent = [c for c in classes if c not in anywhere]
         if absent:
             raise ShardError(f"{src}: class(es) {absent} of the class list have no folder in "
@@ -146,12 +174,13 @@ def convert(
                          validate=validate, skip_bad=skip_bad, progress=progress)
     out: dict[str, Manifest] = {}
     for split in splits:
-        files, ignored = scan_split(src / split, classes)
-        records = split_records(src / split, files, classes, labels_unverified=labels_unverified,
-                                per_class=per_class)
+        files, ignored = scan_split(split_dirs[split], classes)
+        records = split_records(split_dirs[split], files, classes,
+                                labels_unverified=labels_unverified, per_class=per_class)
         if shuffle_seed is not None:
             records = shuffled(records, shuffle_seed)
-        source = {"converter": "shards.imagefolder", "format": "imagefolder",
+        source = {"converter": "shards.imagefolder",
+                  "format": "imagefolder-flat" if flat else "imagefolder",
                   "root": str(src), "labels_unverified": labels_unverified,
                   "ignored_files": ignored, "shuffle_seed": shuffle_seed}
         if per_class is not None:

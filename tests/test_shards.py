@@ -390,6 +390,26 @@ def test_imagefolder_keeps_bytes_orders_and_labels(jpeg_tree, tmp_path):
     assert [s["json"]["label"] for s in read_split(out / "test")] == [0] * 5 + [2] * 5
 
 
+def test_imagefolder_converts_a_plain_class_tree_into_one_train_split(jpeg_tree, tmp_path):
+    """SRC/<class>/<file> with no split folders (one's own data, as it usually comes) is the
+    split ``train``: the same records as SRC/train/<class>/<file> would give; choosing
+    split folders there is an error that names the layout."""
+    flat = tmp_path / "flat"
+    shutil.copytree(jpeg_tree / "train", flat)
+    (flat / "bird" / "notes.txt").write_text("not an image")
+    assert imagefolder.is_class_tree(flat) and not imagefolder.is_class_tree(jpeg_tree)
+    ms = imagefolder.convert(flat, tmp_path / "out", shard_size=50, progress=False)
+    assert sorted(ms) == ["train"] and ms["train"].classes == CLASSES
+    assert ms["train"].num_samples == 120 and ms["train"].source["ignored_files"] == 1
+    assert ms["train"].source["format"] == "imagefolder-flat"
+    nested = imagefolder.convert(jpeg_tree, tmp_path / "nested", splits=["train"],
+                                 shard_size=50, progress=False)["train"]
+    got = [s["json"] for s in read_split(tmp_path / "out" / "train")]
+    assert got == [s["json"] for s in read_split(tmp_path / "nested" / "train")]
+    with pytest.raises(ShardError, match="has no split folders to choose"):
+        imagefolder.convert(flat, tmp_path / "x", splits=["train"], progress=False)
+
+
 def test_imagefolder_class_list_and_unverified_labels(jpeg_tree, tmp_path):
     ms = imagefolder.convert(jpeg_tree, tmp_path / "a", splits=["test"], progress=False,
                              classes=["cat", "bird", "airplane"], labels_unverified=True,
