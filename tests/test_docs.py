@@ -160,6 +160,7 @@ def _check_command(argv: list[str]) -> bool:
     import sys
 
     from pipeline.track import label_issues
+    from pipeline.train import models
     from shards import cli, labelview
     from tune import sweep
 
@@ -173,7 +174,8 @@ def _check_command(argv: list[str]) -> bool:
                "python -m shards.labelview": labelview.get_args_parser,
                "lccn-label-issues": label_issues.get_args_parser,
                "python -m pipeline.track.label_issues": label_issues.get_args_parser,
-               "python -m tune.sweep": sweep.get_args_parser}
+               "python -m tune.sweep": sweep.get_args_parser,
+               "python -m pipeline.train.models": models.get_args_parser}
     if prog in parsers:
         parsers[prog]().parse_args(args)
         return True

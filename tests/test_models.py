@@ -235,3 +235,73 @@ def test_bn_momentum_sets_the_running_statistics_update_of_every_batch_norm_laye
             build_model("small_cnn", 10, bn_momentum=bad)
     with pytest.raises(ValueError, match="Linear has no batch-norm layer"):
         set_bn_momentum(torch.nn.Linear(3, 2), 0.01)
+
+
+# -- timm and torchvision backbones, pretrained from local files only ---------------------------
+
+
+def _equal_tensors(a: dict, b: dict) -> int:
+    return sum(1 for k, v in a.items() if k in b and b[k].shape == v.shape and torch.equal(b[k], v))
+
+
+def test_any_timm_model_by_name_with_weights_from_a_local_file(tmp_path):
+    """``timm:NAME`` (or a bare name timm knows) builds timm's model with a fresh head; with
+    ``pretrained`` it loads every other tensor from the file given (timm's
+    pretrained_cfg_overlay), never from the network."""
+    timm = pytest.importorskip("timm")
+    from pipeline.train.models import resolve_name
+
+    src = timm.create_model("test_convnext", pretrained=False)
+    path = tmp_path / "test_convnext.pth"
+    torch.save(src.state_dict(), path)
+    model = build_model("timm:test_convnext", 7, pretrained=True, weights=str(path), seed=0)
+    got, want = model.state_dict(), src.state_dict()
+    head = {k for k in want if k.startswith("head.fc.")}
+    assert head and _equal_tensors(want, got) == len(want) - len(head)
+    assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 7)
+    fresh = build_model("test_convnext", 7, seed=0)    # a bare timm name, random weights
+    assert not torch.equal(fresh.state_dict()["stem.0.weight"], want["stem.0.weight"])
+    assert resolve_name("convnext_tiny") == ("timm", "convnext_tiny")
+    assert resolve_name("tv:resnet18") == ("tv", "resnet18")
+    with pytest.raises(ValueError, match=r"any timm model \(timm:NAME"):
+        build_model("no_such_net", 3)
+
+
+def test_a_missing_timm_weight_names_the_fetch_command_and_the_cache_is_read(
+        tmp_path, monkeypatch):
+    """Without a file, a timm model's weights come from the local Hugging Face cache only:
+    absent, one FileNotFoundError naming ``python -m pipeline.train.models fetch``; present
+    (a cache the test lays out as the hub does), they load."""
+    timm = pytest.importorskip("timm")
+    from huggingface_hub import constants
+    from safetensors.torch import save_file
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(FileNotFoundError, match="pipeline.train.models fetch timm:test_convnext"):
+        build_model("timm:test_convnext", 7, pretrained=True)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        build_model("timm:test_convnext", 7, pretrained=True, weights=str(tmp_path / "x.pth"))
+    repo = timm.models.get_pretrained_cfg("test_convnext").hf_hub_id
+    folder = tmp_path / "hub" / f"models--{repo.replace('/', '--')}"
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text("abc123")
+    (folder / "snapshots" / "abc123").mkdir(parents=True)
+    src = timm.create_model("test_convnext", pretrained=False)
+    save_file(src.state_dict(), str(folder / "snapshots" / "abc123" / "model.safetensors"))
+    model = build_model("timm:test_convnext", 7, pretrained=True)
+    assert _equal_tensors(src.state_dict(), model.state_dict()) == len(src.state_dict()) - 2
+
+
+def test_torchvision_models_by_name_with_weights_from_a_file(tmp_path):
+    import torchvision
+
+    src = torchvision.models.resnet18()
+    path = tmp_path / "resnet18.pth"
+    torch.save(src.state_dict(), path)
+    model = build_model("tv:resnet18", 5, pretrained=True, weights=str(path))
+    assert model.fc.out_features == 5
+    assert _equal_tensors(src.state_dict(), model.state_dict()) == len(src.state_dict()) - 2
+    with pytest.raises(FileNotFoundError, match="fetch tv:resnet18"):
+        build_model("tv:resnet18", 5, pretrained=True)
+    with pytest.raises(ValueError, match="weights= is for timm and torchvision"):
+        build_model("small_cnn", 5, weights=str(path))

@@ -320,8 +320,12 @@ def check_bn_momentum(momentum: float) -> float:
 class ModelConfig:
     """The classifier (:func:`pipeline.train.models.build_model`).
 
-    name: the backbone, a name :func:`pipeline.train.models.build_model` knows.
+    name: the backbone: a registered name, any timm model (``timm:convnext_tiny``) or
+        torchvision model (``tv:resnet18``) (:func:`pipeline.train.models.build_model`).
     in_channels: image channels (3; 1 for grey digits).
+    weights: a local file of pretrained weights for a timm or torchvision backbone (read
+        with the jobs' ``--pretrained``; ``python -m pipeline.train.models fetch NAME --out
+        DIR`` writes one where there is network). None: timm's local cache.
     bn_momentum: momentum of the batch-norm layers' running statistics, in PyTorch's
         convention (the weight of the new batch). None keeps PyTorch's 0.1. The paper's
         CIFAR code (TensorFlow) keeps them with decay 0.997: ``bn_momentum = 0.003``.
@@ -330,6 +334,7 @@ class ModelConfig:
     name: str = "small_cnn"
     in_channels: int = 3
     bn_momentum: float | None = None
+    weights: str | None = None
 
     def __post_init__(self) -> None:
         if self.bn_momentum is not None:

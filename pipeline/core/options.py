@@ -32,6 +32,7 @@ FLAGS: dict[str, str] = {
     "--val-fraction": "val_fraction",
     "--model": "model.name",
     "--bn-momentum": "model.bn_momentum",
+    "--weights": "model.weights",
     "--epochs": "optim.epochs",
     "--pretrain-epochs": "optim.pretrain_epochs",
     "--batch-size": "optim.batch_size",

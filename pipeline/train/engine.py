@@ -204,8 +204,8 @@ class Engine:
         run, o = self.run, self.run.optim
         model = build_model(run.model.name, num_outputs or self.k_latent,
                             in_channels=run.model.in_channels, pretrained=self.options.pretrained,
-                            seed=run.seed + index,
-                            bn_momentum=run.model.bn_momentum).to(self.device)
+                            seed=run.seed + index, bn_momentum=run.model.bn_momentum,
+                            weights=run.model.weights).to(self.device)
         # the fused CUDA kernel: one launch for all parameters, the same update
         optimizer = torch.optim.SGD(param_groups(model, o.weight_decay, o.norm_weight_decay),
                                     lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay,

@@ -360,8 +360,123 @@ MODELS: dict[str, Builder] = {
 
 
 def available_models() -> list[str]:
-    """Names accepted by :func:`build_model`, sorted."""
+    """The registered names :func:`build_model` accepts, sorted (besides them: any timm
+    model, ``timm:<name>``, and any torchvision classification model, ``tv:<name>``)."""
     return sorted(MODELS)
+
+
+def resolve_name(name: str) -> tuple[str, str]:
+    """``(family, model)`` of a backbone name: ``("ours", name)`` for a registered one (the
+    papers' CIFAR nets, ``resnet50``, ``inception_resnet_v2``), ``("timm", m)`` for
+    ``timm:m`` or a bare name timm knows (``convnext_tiny``), ``("tv", m)`` for ``tv:m`` (a
+    torchvision classification model). ValueError names the three forms otherwise."""
+    if name in MODELS:
+        return "ours", name
+    family, sep, model = name.partition(":")
+    if sep and family in ("timm", "tv") and model:
+        return family, model
+    try:
+        import timm
+    except ImportError:  # pragma: no cover - depends on the environment
+        timm = None
+    if not sep and timm is not None and timm.is_model(name):
+        return "timm", name
+    raise ValueError(f"unknown model {name!r}; available models: {', '.join(available_models())}"
+                     f", any timm model (timm:NAME, e.g. timm:convnext_tiny) or torchvision "
+                     f"model (tv:NAME, e.g. tv:resnet18)")
+
+
+def _missing_weights(name: str, detail: str) -> FileNotFoundError:
+    return FileNotFoundError(
+        f"{name} pretrained=True: {detail}. This factory never downloads at run time: on a "
+        f"machine with the network run `python -m pipeline.train.models fetch {name} --out DIR` "
+        f"and pass the file it writes as weights= (the jobs' --weights FILE), on storage every "
+        f"node reads")
+
+
+def _timm_model(name: str, num_classes: int, in_channels: int, pretrained: bool,
+                weights: str | None) -> nn.Module:
+    """timm's ``name`` with a ``num_classes`` head; pretrained from the file ``weights``
+    (timm's ``pretrained_cfg_overlay=dict(file=...)``: a .safetensors or .pth of the model,
+    its head replaced) or, without one, from timm's local cache only (the Hugging Face hub
+    cache, offline)."""
+    import timm
+
+    if not timm.is_model(name):
+        raise ValueError(f"timm has no model {name!r} (timm.list_models('*{name[:6]}*') lists "
+                         f"the near names)")
+    kwargs: dict = {"num_classes": num_classes, "in_chans": in_channels}
+    if not pretrained:
+        if weights is not None:
+            raise ValueError(f"{name}: weights={weights!r} given without pretrained=True")
+        return timm.create_model(name, pretrained=False, **kwargs)
+    if weights is not None:
+        if not Path(weights).is_file():
+            raise _missing_weights(f"timm:{name}", f"the weights file {weights} does not exist")
+        return timm.create_model(name, pretrained=True,
+                                 pretrained_cfg_overlay={"file": str(weights)}, **kwargs)
+    cached = _timm_cached_file(name)
+    if cached is None:
+        raise _missing_weights(f"timm:{name}", "its weights are not in the local Hugging Face "
+                               "cache ($HF_HOME/hub)")
+    return timm.create_model(name, pretrained=True, pretrained_cfg_overlay={"file": cached},
+                             **kwargs)
+
+
+def _timm_cached_file(name: str) -> str | None:
+    """The file of timm model ``name``'s default pretrained weights in the local Hugging
+    Face cache (``huggingface_hub.try_to_load_from_cache``: no network), or None."""
+    import timm
+
+    cfg = timm.models.get_pretrained_cfg(name)
+    repo = getattr(cfg, "hf_hub_id", None) if cfg is not None else None
+    if not repo:
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    for filename in ("model.safetensors", "pytorch_model.bin"):
+        got = try_to_load_from_cache(repo, filename)
+        if isinstance(got, str):
+            return got
+    return None
+
+
+def _replace_head(model: nn.Module, num_classes: int) -> None:
+    """A fresh ``num_classes``-way last linear layer for a torchvision classifier."""
+    for attr in ("fc", "classifier", "head", "heads"):
+        head = getattr(model, attr, None)
+        if isinstance(head, nn.Linear):
+            setattr(model, attr, nn.Linear(head.in_features, num_classes))
+            return
+        if isinstance(head, nn.Sequential) and any(isinstance(m, nn.Linear) for m in head):
+            i = max(i for i, m in enumerate(head) if isinstance(m, nn.Linear))
+            head[i] = nn.Linear(head[i].in_features, num_classes)
+            return
+    raise ValueError(f"{type(model).__name__}: no linear head (fc, classifier, head) to replace")
+
+
+def _tv_model(name: str, num_classes: int, in_channels: int, pretrained: bool,
+              weights: str | None) -> nn.Module:
+    """torchvision's ``name``; pretrained from the state dict file ``weights`` (the
+    ImageNet head dropped) and a fresh ``num_classes`` head."""
+    import torchvision
+
+    if name not in torchvision.models.list_models(module=torchvision.models):
+        raise ValueError(f"torchvision has no classification model {name!r}")
+    if in_channels != 3:
+        raise ValueError(f"tv:{name} takes 3 input channels, got in_channels={in_channels}")
+    if not pretrained:
+        if weights is not None:
+            raise ValueError(f"tv:{name}: weights={weights!r} given without pretrained=True")
+        return torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+    if weights is None or not Path(weights).is_file():
+        raise _missing_weights(f"tv:{name}", "a torchvision backbone needs its weights as a "
+                               f"file (weights=); {weights or 'none'} was given")
+    model = torchvision.models.get_model(name, weights=None)
+    state = torch.load(weights, map_location="cpu", weights_only=True)
+    model.load_state_dict(state.get("state_dict", state) if isinstance(state, dict) else state)
+    _replace_head(model, num_classes)
+    return model
 
 
 def _as_int(name: str, value: object, minimum: int) -> int:
@@ -384,6 +499,7 @@ def build_model(
     pretrained: bool = False,
     seed: int | None = None,
     bn_momentum: float | None = None,
+    weights: str | None = None,
 ) -> nn.Module:
     """Build backbone ``name`` with a ``num_classes``-way linear head.
 
@@ -391,8 +507,14 @@ def build_model(
     ``(N, num_classes)``. For LCCN* pass ``num_classes = K + 1``; the last logit is the
     outlier class.
 
-    ``pretrained`` loads ImageNet weights where the model has them (only ``resnet50``, from
-    the local torch hub cache; see :func:`resnet50`); other models raise ValueError.
+    ``name``: a registered backbone (:func:`available_models`), any timm model
+    (``timm:convnext_tiny``, or the bare name) or torchvision model (``tv:resnet18``):
+    :func:`resolve_name`. ``pretrained`` loads ImageNet weights where the model has them,
+    never from the network: the registered ``resnet50`` from the local torch hub cache (see
+    :func:`resnet50`), a timm model from the file ``weights`` or timm's local cache, a
+    torchvision model from the file ``weights``; a missing file is a FileNotFoundError that
+    names it and the command that fetches it. The registered CIFAR nets have none
+    (ValueError).
     ``seed``, if given, makes the random initialisation reproducible: the model is built
     under ``torch.random.fork_rng`` seeded with it, so the caller's global RNG state is
     left untouched. Without it the global RNG is used, as by any torch module.
@@ -403,19 +525,28 @@ def build_model(
     Raises ValueError for an unknown name (listing the available ones), ``num_classes < 2``,
     ``in_channels < 1`` or a ``bn_momentum`` outside (0, 1].
     """
-    if name not in MODELS:
-        raise ValueError(
-            f"unknown model {name!r}; available models: {', '.join(available_models())}"
-        )
+    family, model_name = resolve_name(name)
     num_classes = _as_int("num_classes", num_classes, 2)
     in_channels = _as_int("in_channels", in_channels, 1)
-    builder = MODELS[name]
+    if family == "ours":
+        if weights is not None:
+            raise ValueError(f"{name}: weights= is for timm and torchvision backbones; "
+                             f"{name} reads its own (see build_model)")
+
+        def builder() -> nn.Module:
+            return MODELS[model_name](num_classes, in_channels=in_channels,
+                                      pretrained=bool(pretrained))
+    else:
+        make = _timm_model if family == "timm" else _tv_model
+
+        def builder() -> nn.Module:
+            return make(model_name, num_classes, in_channels, bool(pretrained), weights)
     if seed is None:
-        model = builder(num_classes, in_channels=in_channels, pretrained=bool(pretrained))
+        model = builder()
     else:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(int(seed))
-            model = builder(num_classes, in_channels=in_channels, pretrained=bool(pretrained))
+            model = builder()
     if bn_momentum is not None:
         set_bn_momentum(model, bn_momentum)
     return model
@@ -440,3 +571,51 @@ def count_parameters(model: nn.Module, *, trainable_only: bool = False) -> int:
     """Number of scalar parameters of ``model`` (all, or only ``requires_grad`` ones).
     Buffers (BN running stats) are not parameters and are not counted."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+def fetch_weights(name: str, out_dir: str | os.PathLike) -> Path:
+    """Download the ImageNet weights of backbone ``name`` (a timm or torchvision name, as
+    :func:`build_model` takes it) into ``out_dir`` as one file, and return its path: what
+    ``weights=`` (the jobs' ``--weights``) reads on machines without the network."""
+    family, model_name = resolve_name(name)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    safe = model_name.replace("/", "_")
+    if family == "timm":
+        import timm
+
+        model = timm.create_model(model_name, pretrained=True)
+    elif family == "tv":
+        import torchvision
+
+        model = torchvision.models.get_model(model_name, weights="DEFAULT")
+    else:
+        raise ValueError(f"{name}: fetch is for timm and torchvision backbones (resnet50 reads "
+                         f"the torch hub cache: see build_model)")
+    path = out / f"{family}-{safe}.pth"
+    partial = path.with_suffix(".pth.partial")
+    torch.save(model.state_dict(), partial)
+    os.replace(partial, path)   # never a half-written file under the final name
+    return path
+
+
+def get_args_parser():
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m pipeline.train.models",
+                                description="backbones: fetch pretrained weights into a folder")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    f = sub.add_parser("fetch", help="download a timm or torchvision model's weights to a file")
+    f.add_argument("name", help="timm:NAME, a bare timm name, or tv:NAME")
+    f.add_argument("--out", required=True, help="folder for the weights file")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = get_args_parser().parse_args(argv)
+    print(fetch_weights(args.name, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
