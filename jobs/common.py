@@ -392,6 +392,17 @@ def run_config(args: argparse.Namespace) -> RunConfig:
                      baseline=baseline_config(args))
     own = [f for f in JOB_FLAGS if not FLAGS[f].startswith("baseline.")]
     run = apply_options(base, args, own)
+    weights = run.model.weights
+    if weights is not None and "://" not in weights:
+        # the workers chdir into Ray's run directory: the file by its absolute path
+        path = Path(weights).expanduser().resolve()
+        if not path.is_file():
+            raise SystemExit(f"error: --weights {weights}: no such file (write it with "
+                             f"`python -m pipeline.train.models fetch {run.model.name} --out DIR`)")
+        run = replace(run, model=replace(run.model, weights=str(path)))
+    if weights is not None and not args.pretrained:
+        raise SystemExit("error: --weights is read with --pretrained: add it, or leave "
+                         "--weights out")
     return replace(run, method=args.method)
 
 

@@ -704,3 +704,19 @@ def test_a_few_images_per_gpu_are_warned_about_with_the_scaled_lr():
     assert f"--batch-size 128 with the lr scaled linearly, --lr {run.optim.lr * 4:g}" in text
     assert common.small_batch_warning(run, dataclasses.replace(dist, num_workers=1)) is None
     assert common.small_batch_warning(run, dataclasses.replace(dist, use_gpu=False)) is None
+
+
+def test_weights_reach_the_run_by_their_absolute_path(tmp_path, monkeypatch):
+    """--weights (a pretrained timm/torchvision backbone's file) reaches ModelConfig as an
+    absolute path (the workers chdir elsewhere); a missing file or no --pretrained is one
+    line naming the fix."""
+    (tmp_path / "w.pth").write_bytes(b"x")
+    monkeypatch.chdir(tmp_path)
+    _, run = _configs(clothing1m_lccn, ["--data", "/x", "--model", "timm:convnext_tiny",
+                                        "--pretrained", "--weights", "w.pth"])
+    assert run.model.name == "timm:convnext_tiny"
+    assert run.model.weights == str(tmp_path / "w.pth")
+    with pytest.raises(SystemExit, match="no such file.*pipeline.train.models fetch"):
+        _configs(clothing1m_lccn, ["--data", "/x", "--pretrained", "--weights", "nope.pth"])
+    with pytest.raises(SystemExit, match="--weights is read with --pretrained"):
+        _configs(clothing1m_lccn, ["--data", "/x", "--no-pretrained", "--weights", "w.pth"])
