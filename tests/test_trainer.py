@@ -259,6 +259,25 @@ def test_lccn_star_exports_p_outlier_that_ranks_planted_outliers_first(tmp_path)
     got = Path(client.download_artifacts(run_id, "outliers.csv", str(tmp_path / "dl")))
     assert got.read_text() == (tmp_path / "out" / "outliers.csv").read_text()
 
+    # the classifier a user takes away: logged with mlflow.pytorch.log_model, a signature,
+    # loadable, and the same probabilities over the K classes (the outlier logit left out)
+    import mlflow
+    import mlflow.pytorch
+
+    assert trainer.engine.model_uri == f"runs:/{run_id}/model"
+    mlflow.set_tracking_uri(uri)
+    info = mlflow.models.get_model_info(trainer.engine.model_uri)
+    spec = info.signature.inputs.to_dict()[0]["tensor-spec"]
+    assert tuple(spec["shape"]) == (-1, 1, 8, 8)
+    assert tuple(info.signature.outputs.to_dict()[0]["tensor-spec"]["shape"]) == (-1, 10)
+    loaded = mlflow.pytorch.load_model(trainer.engine.model_uri)
+    x = test.images[:16]
+    probs = loaded(x)
+    assert probs.shape == (16, 10)
+    assert torch.allclose(probs.sum(1), torch.ones(16), atol=1e-5)
+    assert torch.equal(probs, trainer.engine.predictor()(x))
+    assert (probs.argmax(1) == test.labels.clean[:16]).float().mean() > 0.5
+
 
 def test_without_its_warm_up_the_outlier_class_stays_empty(tmp_path):
     """The outlier row's own warm-up is what populates it: CE pre-training only lowers the

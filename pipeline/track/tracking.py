@@ -337,6 +337,35 @@ class Tracker:
                 drawn.append(key)
         return rows, drawn
 
+    def log_model(self, model: Any, example: Any, *, name: str = "model") -> str:
+        """``mlflow.pytorch.log_model`` of ``model`` into this run, with the signature of
+        ``model(example)`` (``example``: a small input tensor) and the project's ``pipeline``
+        package beside it (the networks' classes), so that ``mlflow.pytorch.load_model(uri)``
+        rebuilds it anywhere the requirements are installed. Returns the model URI
+        (``runs:/<run id>/<name>``)."""
+        import mlflow
+        import mlflow.pytorch
+        import torch
+        from mlflow.models import infer_signature
+
+        self._need_run()
+        with torch.no_grad():
+            out = model(example)
+        signature = infer_signature(example.cpu().numpy(), out.cpu().numpy())
+        code = str(Path(__file__).resolve().parents[1])   # the pipeline package
+        previous = mlflow.get_tracking_uri()
+        mlflow.set_tracking_uri(self.tracking_uri)
+        try:
+            with mlflow.start_run(run_id=self.run_id):
+                mlflow.pytorch.log_model(
+                    model, name=name, signature=signature, code_paths=[code],
+                    serialization_format="pickle",   # any batch size; the classes in code
+                    pip_requirements=[f"torch=={torch.__version__.split('+')[0]}",
+                                      f"mlflow=={mlflow.__version__}"])
+        finally:
+            mlflow.set_tracking_uri(previous)
+        return f"runs:/{self.run_id}/{name}"
+
     def log_file(self, path: str | os.PathLike, *, artifact_path: str | None = None) -> None:
         """One file as an artifact of the run (e.g. LCCN*'s ``outliers.csv``)."""
         self._need_run()

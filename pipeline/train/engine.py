@@ -73,6 +73,7 @@ from pipeline.train.checkpoints import (
     init_state_file,
     last_lr,
 )
+from pipeline.train.export import Predictor
 from pipeline.train.fastpath import configure_backends, wrap_model
 from pipeline.train.loop import run_pass
 from pipeline.train.members import Member, ema_decay_at, make_scheduler, param_groups
@@ -136,6 +137,9 @@ class EngineOptions:
     # a fresh run starts from the weights of another run's checkpoint (init_state_file:
     # a finished CE run, the paper's code's protocol); a resumed run ignores it
     init_from: str | None = None
+    # the run's end logs the classifier (pipeline.train.export.Predictor) to MLflow with
+    # mlflow.pytorch.log_model (tracked runs only)
+    log_model: bool = True
     # rank 0 reports its progress inside an epoch every this many seconds (a tqdm bar on a
     # terminal, else a plain line and two MLflow metrics: pipeline.train.progress); 0: off
     progress_seconds: float = 0.0
@@ -192,6 +196,7 @@ class Engine:
         self.init_lr: float | None = None
         self.global_step = 0
         self.run_id: str | None = None
+        self.model_uri: str | None = None  # the logged classifier (rank 0, tracked runs)
         self.tracker = None
         self._prepared = False
 
@@ -584,3 +589,21 @@ class Engine:
             tracker.log_curves(self.history)
             tracker.log_final(phi, checkpoint_dir=checkpoint_dir,
                               class_names=list(t.class_names) or None)
+            example = self._example_images() if self.options.log_model else None
+            if example is not None:
+                self.model_uri = tracker.log_model(self.predictor(), example)
+
+    def predictor(self) -> Predictor:
+        """The trained classifier as one module (:class:`~pipeline.train.export.Predictor`):
+        every network's weights (their averages, when kept), images in, the K classes'
+        probabilities out."""
+        nets = [m.ema if m.ema is not None else m.model for m in self.members]
+        return Predictor(nets, self.num_classes, normalize=self.options.normalize)
+
+    def _example_images(self) -> Tensor | None:
+        """Two images of the test (else validation) split, on the CPU, as the networks take
+        them: the input example of the logged model's signature."""
+        for batches in (self.data.test_batches(), self.data.val_batches()):
+            for b in batches or ():
+                return b.images[:2].cpu()
+        return None

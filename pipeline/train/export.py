@@ -1,0 +1,35 @@
+"""The trained classifier as a user takes it away: :class:`Predictor`, the run's networks
+behind one module that maps images to class probabilities, logged to MLflow with
+``mlflow.pytorch.log_model`` (a signature, the project's code beside it) at a run's end.
+
+Imports: :mod:`pipeline.core` and torch (MLflow only inside :mod:`pipeline.track.tracking`).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+
+class Predictor(nn.Module):
+    """``images (B, C, H, W)`` as the run's networks take them (float, normalised; uint8 when
+    the run normalised on the device, then ``normalize`` does it here) -> class
+    probabilities ``(B, K)`` float32: the mean over the networks (DivideMix's two) of the
+    softmax of their first K logits (LCCN*'s outlier logit left out of the class
+    distribution). The networks are copies, on the CPU, in eval mode."""
+
+    def __init__(self, nets: Sequence[nn.Module], num_classes: int,
+                 normalize: nn.Module | None = None) -> None:
+        super().__init__()
+        self.nets = nn.ModuleList(copy.deepcopy(n).cpu().eval() for n in nets)
+        self.normalize = copy.deepcopy(normalize).cpu() if normalize is not None else None
+        self.num_classes = int(num_classes)
+
+    @torch.no_grad()
+    def forward(self, images: Tensor) -> Tensor:
+        x = self.normalize(images) if self.normalize is not None else images.float()
+        probs = [torch.softmax(net(x).float()[:, :self.num_classes], 1) for net in self.nets]
+        return torch.stack(probs).mean(0)
