@@ -459,21 +459,6 @@ def test_quickstart_says_what_the_noise_rate_means(tmp_path):
     assert "0.4 x r" in quickstart_ray.get_args_parser().format_help()
 
 
-def test_the_one_process_quickstart_runs_the_ray_quickstarts_recipe():
-    """jobs/quickstart.py (no Ray) and jobs/quickstart_ray.py compare CE and LCCN on the same
-    schedule and LCCN settings: the digits recipe."""
-    import quickstart
-
-    one = quickstart.run_config(quickstart.get_args_parser().parse_args([]), "lccn", 0)
-    _, ray_run = _configs(quickstart_ray, [])
-    for section in ("optim", "lccn"):
-        for key in ("epochs", "pretrain_epochs", "batch_size", "lr", "milestones",
-                    "weight_decay", "alpha", "warmup_steps", "targets", "ramp_epochs"):
-            if hasattr(getattr(one, section), key):
-                assert getattr(getattr(one, section), key) == \
-                    getattr(getattr(ray_run, section), key), (section, key)
-
-
 def test_quickstart_closes_with_lccn_beside_ce_and_the_mlflow_command():
     lccn = {"metrics": {"test_top1": 0.934}, "tracking_uri": "sqlite:////r/mlflow.db",
             "experiment": "lccn-quickstart_ray"}

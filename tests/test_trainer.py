@@ -259,18 +259,22 @@ def test_lccn_star_exports_p_outlier_that_ranks_planted_outliers_first(tmp_path)
     got = Path(client.download_artifacts(run_id, "outliers.csv", str(tmp_path / "dl")))
     assert got.read_text() == (tmp_path / "out" / "outliers.csv").read_text()
 
-    # the classifier a user takes away: logged with mlflow.pytorch.log_model, a signature,
+    # the classifier a user takes away: an MLflow pytorch model in the run, a signature,
     # loadable, and the same probabilities over the K classes (the outlier logit left out)
+    import os
+
     import mlflow
     import mlflow.pytorch
 
     assert trainer.engine.model_uri == f"runs:/{run_id}/model"
-    mlflow.set_tracking_uri(uri)
-    info = mlflow.models.get_model_info(trainer.engine.model_uri)
+    assert "MLFLOW_TRACKING_URI" not in os.environ   # no global MLflow state left behind
+    local = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="model",
+                                                tracking_uri=uri, dst_path=str(tmp_path / "m"))
+    info = mlflow.models.get_model_info(local)
     spec = info.signature.inputs.to_dict()[0]["tensor-spec"]
     assert tuple(spec["shape"]) == (-1, 1, 8, 8)
     assert tuple(info.signature.outputs.to_dict()[0]["tensor-spec"]["shape"]) == (-1, 10)
-    loaded = mlflow.pytorch.load_model(trainer.engine.model_uri)
+    loaded = mlflow.pytorch.load_model(local)
     x = test.images[:16]
     probs = loaded(x)
     assert probs.shape == (16, 10)

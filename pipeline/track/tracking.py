@@ -338,11 +338,13 @@ class Tracker:
         return rows, drawn
 
     def log_model(self, model: Any, example: Any, *, name: str = "model") -> str:
-        """``mlflow.pytorch.log_model`` of ``model`` into this run, with the signature of
-        ``model(example)`` (``example``: a small input tensor) and the project's ``pipeline``
-        package beside it (the networks' classes), so that ``mlflow.pytorch.load_model(uri)``
-        rebuilds it anywhere the requirements are installed. Returns the model URI
-        (``runs:/<run id>/<name>``)."""
+        """``model`` saved with ``mlflow.pytorch.save_model`` as the run's artifact folder
+        ``name``, with the signature of ``model(example)`` (``example``: a small input
+        tensor) and the project's ``pipeline`` package beside it (the networks' classes), so
+        that ``mlflow.pytorch.load_model("runs:/<run id>/<name>")`` rebuilds it anywhere the
+        requirements are installed. Through this tracker's client only: MLflow's global
+        tracking URI (and ``$MLFLOW_TRACKING_URI``, which setting it writes) stay as they
+        were. Returns that model URI."""
         import mlflow
         import mlflow.pytorch
         import torch
@@ -353,17 +355,14 @@ class Tracker:
             out = model(example)
         signature = infer_signature(example.cpu().numpy(), out.cpu().numpy())
         code = str(Path(__file__).resolve().parents[1])   # the pipeline package
-        previous = mlflow.get_tracking_uri()
-        mlflow.set_tracking_uri(self.tracking_uri)
-        try:
-            with mlflow.start_run(run_id=self.run_id):
-                mlflow.pytorch.log_model(
-                    model, name=name, signature=signature, code_paths=[code],
-                    serialization_format="pickle",   # any batch size; the classes in code
-                    pip_requirements=[f"torch=={torch.__version__.split('+')[0]}",
-                                      f"mlflow=={mlflow.__version__}"])
-        finally:
-            mlflow.set_tracking_uri(previous)
+        with tempfile.TemporaryDirectory(prefix="lccn-model-") as tmp:
+            path = Path(tmp) / name
+            mlflow.pytorch.save_model(
+                model, str(path), signature=signature, code_paths=[code],
+                serialization_format="pickle",   # any batch size; the classes in code_paths
+                pip_requirements=[f"torch=={torch.__version__.split('+')[0]}",
+                                  f"mlflow=={mlflow.__version__}"])
+            self.client.log_artifacts(self.run_id, str(path), artifact_path=name)
         return f"runs:/{self.run_id}/{name}"
 
     def log_file(self, path: str | os.PathLike, *, artifact_path: str | None = None) -> None:

@@ -137,8 +137,8 @@ class EngineOptions:
     # a fresh run starts from the weights of another run's checkpoint (init_state_file:
     # a finished CE run, the paper's code's protocol); a resumed run ignores it
     init_from: str | None = None
-    # the run's end logs the classifier (pipeline.train.export.Predictor) to MLflow with
-    # mlflow.pytorch.log_model (tracked runs only)
+    # the run's end logs the classifier (pipeline.train.export.Predictor) to MLflow as an
+    # MLflow pytorch model (Tracker.log_model; tracked runs only)
     log_model: bool = True
     # rank 0 reports its progress inside an epoch every this many seconds (a tqdm bar on a
     # terminal, else a plain line and two MLflow metrics: pipeline.train.progress); 0: off

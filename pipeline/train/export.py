@@ -1,6 +1,7 @@
 """The trained classifier as a user takes it away: :class:`Predictor`, the run's networks
-behind one module that maps images to class probabilities, logged to MLflow with
-``mlflow.pytorch.log_model`` (a signature, the project's code beside it) at a run's end.
+behind one module that maps images to class probabilities, logged to the run as an MLflow
+pytorch model (:meth:`pipeline.track.tracking.Tracker.log_model`: a signature, the project's
+code beside it) at a run's end.
 
 Imports: :mod:`pipeline.core` and torch (MLflow only inside :mod:`pipeline.track.tracking`).
 """
