@@ -41,7 +41,14 @@ from pipeline.core.config import (
 )
 from pipeline.core.labels import LabelView
 from pipeline.core.noise import format_transition
-from pipeline.core.options import FLAGS, UNSET, add_option_groups, apply_options, dest
+from pipeline.core.options import (
+    FLAGS,
+    UNSET,
+    add_option_groups,
+    apply_options,
+    dest,
+    value_at,
+)
 from pipeline.data.manifest import Manifest
 from pipeline.data.stream import check_label_view, check_splits
 from pipeline.dist.worker import DistConfig
@@ -202,10 +209,8 @@ def resolve_recipe(args: argparse.Namespace) -> Preset:
         args.recipe_given = tuple(sorted(given))
     # a recipe's value of a field the method never reads (get_method(m).ignores, e.g. the
     # digits recipe's targets for divide_lccn) stays out: the library's default instead
-    ignored = {}
-    for path in get_method(args.method).ignores:
-        section, name = path.split(".")
-        ignored[name] = getattr(getattr(RunConfig(), section), name)
+    ignored = {path.partition(".")[2]: value_at(RunConfig(), path)
+               for path in get_method(args.method).ignores}
     for name in RECIPE_ARGS:
         if name not in given:
             value = ignored[name] if name in ignored else getattr(rec, name)

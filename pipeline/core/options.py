@@ -208,6 +208,13 @@ def add_option_groups(parser: argparse.ArgumentParser, flags: Iterable[str],
         add_options(parser.add_argument_group(title), members, **sub)
 
 
+def value_at(run: RunConfig, path: str) -> Any:
+    """The value of the field ``path`` (``"lccn.targets"``) of ``run``: what
+    :func:`apply_point` sets."""
+    section, _, name = path.partition(".")
+    return getattr(getattr(run, section), name)
+
+
 def apply_point(run: RunConfig, point: Mapping[str, Any]) -> RunConfig:
     """``run`` with the fields named in ``point`` replaced (``{"lccn.alpha": 0.5}`` sets
     ``run.lccn.alpha``). Each nested frozen config is rebuilt with ``dataclasses.replace``, so

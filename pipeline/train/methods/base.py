@@ -45,6 +45,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from pipeline.core.config import RunConfig
+from pipeline.core.options import value_at
 from pipeline.train.loop import LabelTask, Task, evaluate
 
 _REGISTRY: dict[str, type["Method"]] = {}
@@ -78,9 +79,7 @@ def refuse_ignored(method: type["Method"], run: RunConfig) -> None:
     default = RunConfig()
     bad = []
     for path in method.ignores:
-        section, name = path.split(".")
-        got = getattr(getattr(run, section), name)
-        want = getattr(getattr(default, section), name)
+        got, want = value_at(run, path), value_at(default, path)
         if got != want:
             bad.append(f"{path}={got!r} (default {want!r})")
     if bad:
