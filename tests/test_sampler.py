@@ -20,7 +20,8 @@ def oracle_posterior(probs, observed, z_old, counts, alpha, *, gamma=1.0, counte
     """Eq. 7 written out sample by sample, exactly as in the paper."""
     m, k_latent = probs.shape
     k = counts.shape[1]
-    alpha = torch.as_tensor(alpha, dtype=torch.float64).expand(k)
+    # one prior for every latent row (scalar or (K,)) or a prior per row (K_latent, K)
+    alpha = torch.as_tensor(alpha, dtype=torch.float64).expand(k_latent, k)
     out = torch.zeros(m, k_latent, dtype=torch.float64)
     for i in range(m):
         c = counts.to(torch.float64).clone()
@@ -28,7 +29,8 @@ def oracle_posterior(probs, observed, z_old, counts, alpha, *, gamma=1.0, counte
         if counted is None or bool(counted[i]):
             c[int(z_old[i]), j] -= 1  # its own count only
         for kk in range(k_latent):
-            cond = (alpha[j] + c[kk, j]) / sum(alpha[jj] + c[kk, jj] for jj in range(k))
+            a = alpha[kk]
+            cond = (a[j] + c[kk, j]) / sum(a[jj] + c[kk, jj] for jj in range(k))
             out[i, kk] = (float(probs[i, kk]) * cond) ** gamma
         out[i] /= out[i].sum()
     return out
@@ -45,11 +47,14 @@ def random_state(gen, *, m=16, k=5, k_latent=None, n_per_cell=3):
     return probs, observed, z_old, counts
 
 
-@pytest.mark.parametrize("alpha", [1.0, 0.05, [0.5, 1.0, 2.0, 0.1, 3.0]])
+@pytest.mark.parametrize("alpha", [1.0, 0.05, [0.5, 1.0, 2.0, 0.1, 3.0], "per-row"])
 @pytest.mark.parametrize("gamma", [1.0, 0.6])
 @pytest.mark.parametrize("k_latent", [5, 6])
 def test_posterior_matches_loop_oracle(alpha, gamma, k_latent):
     gen = torch.Generator().manual_seed(1)
+    if alpha == "per-row":  # LCCNConfig.prior_strength: alpha_kj, a Dirichlet prior per row
+        alpha = torch.rand(k_latent, 5, generator=torch.Generator().manual_seed(3),
+                           dtype=torch.float64) * 20 + 0.1
     probs, observed, z_old, counts = random_state(gen, k_latent=k_latent)
     counted = torch.rand(16, generator=gen) > 0.3
     got = gibbs_posterior(probs, observed, z_old, counts, alpha, gamma=gamma,
@@ -195,7 +200,8 @@ def test_compiled_device_core_draws_from_eq7():
 @pytest.mark.parametrize("gamma", [1.0, 0.6])
 @pytest.mark.parametrize("warm", [False, True])
 @pytest.mark.parametrize("k_latent", [5, 6])
-def test_host_kernel_is_the_eager_step(gamma, warm, k_latent):
+@pytest.mark.parametrize("per_row", [False, True])
+def test_host_kernel_is_the_eager_step(gamma, warm, k_latent, per_row):
     """gibbs_draw_host with the uniforms sample_categorical would draw gives the eager
     posterior to rounding and the same labels, with counted masks and the warm-up phi."""
     from pipeline.core.confusion import as_alpha
@@ -208,6 +214,9 @@ def test_host_kernel_is_the_eager_step(gamma, warm, k_latent):
     phi = (torch.softmax(torch.randn(k_latent, 5, generator=gen, dtype=torch.float64), 1)
            if warm else None)
     alpha = as_alpha([0.5, 1.0, 2.0, 0.1, 3.0], 5)
+    if per_row:  # a prior per latent row (LCCNConfig.prior_strength)
+        alpha = alpha + 30.0 * torch.softmax(torch.randn(k_latent, 5, generator=gen,
+                                                         dtype=torch.float64), 1)
     u = torch.rand(64, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
     post, z, moved = gibbs_draw_host(probs.numpy(), observed.numpy(), z_old.numpy(),
                                      counts.numpy(), alpha.numpy(), u.numpy(), gamma=gamma,

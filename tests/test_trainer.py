@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pipeline.core.config import LCCNConfig, ModelConfig, OptimConfig, RunConfig, from_dict
+from pipeline.core.confusion import transition
 from pipeline.core.labels import LabelView
 from pipeline.core.noise import CIFAR10_ASYM_MAP, open_set, pair_flip, trusted_subset
 from pipeline.data.digits import clean_view, load_digits_arrays, split_indices, to_tensor
@@ -641,3 +642,42 @@ def test_the_trainer_reports_progress_inside_its_epochs(capsys):
                                 TensorData(xte, clean_view(yte))).train_rows) // 64)
     assert len(lines) == steps - 1 and lines[0].startswith("[local] epoch 1/1  step 1/")
     assert all("img/s" in x and "epoch ETA" in x for x in lines)
+
+
+def test_prior_strength_anchors_every_row_of_phi_at_the_warm_up_estimate():
+    """``prior_strength`` s: row k of phi's Dirichlet prior is ``alpha + m phi_init[k]``
+    with ``m = s N / K_latent``; a chain whose counts turned diagonal (a classifier that
+    memorised its labels) still samples with a transition that keeps the estimated noise,
+    and a labeler made again over the same C (a resume) gets the same prior."""
+    from pipeline.core.confusion_store import ConfusionStore
+    from pipeline.core.sampler import gibbs_posterior
+    from pipeline.train.labeler import GibbsLabeler
+
+    k, n = 3, 300
+    obs = torch.arange(n) % k
+    store = ConfusionStore(obs, obs.clone(), k, k)       # z = observed: C diagonal
+    phi_init = torch.full((k, k), 0.25, dtype=torch.float64).fill_diagonal_(0.5)
+
+    def labeler(strength: float) -> GibbsLabeler:
+        return GibbsLabeler(LCCNConfig(alpha=1.0, prior_strength=strength), store,
+                            store.counts, 0, phi_init=phi_init, max_steps=10,
+                            generator=torch.Generator().manual_seed(0))
+
+    plain, anchored = labeler(0.0), labeler(2.0)
+    assert plain.alpha.shape == (k,) and torch.equal(plain.alpha, torch.ones(k, dtype=torch.float64))
+    m = 2.0 * n / k
+    torch.testing.assert_close(anchored.alpha, 1.0 + m * phi_init)
+    phi = transition(store.counts, anchored.alpha)
+    # counts 100 on the diagonal, 200 pseudo-counts per row spread as phi_init: the
+    # diagonal is (100 + 1 + 100) / (100 + 3 + 200), not the (100 + 1) / 103 of alpha alone
+    torch.testing.assert_close(phi.diagonal(), torch.full((k,), 201 / 303, dtype=torch.float64))
+    assert float(transition(store.counts, plain.alpha).diagonal().min()) > 0.98
+    # Eq. 7: a sample the classifier calls 50/50 between its label 0 and class 1 keeps a
+    # fifth of its posterior on class 1 with the anchored prior, a hundredth without
+    args = (torch.tensor([[0.5, 0.5, 0.0]]), torch.tensor([0]), torch.tensor([0]),
+            store.counts)
+    assert 0.15 < float(gibbs_posterior(*args, anchored.alpha)[0, 1]) < 0.25
+    assert float(gibbs_posterior(*args, plain.alpha)[0, 1]) < 0.015
+    torch.testing.assert_close(labeler(2.0).alpha, anchored.alpha)  # a resumed labeler
+    with pytest.raises(ValueError, match="prior_strength must be a finite number >= 0"):
+        LCCNConfig(prior_strength=-1.0)

@@ -25,13 +25,18 @@ except ImportError:
     numba = None
 
 
-def as_alpha(alpha: float | Tensor | list, num_classes: int, *, dtype=torch.float64) -> Tensor:
-    """The Dirichlet parameter as a ``(K,)`` vector over observed labels; every entry > 0."""
+def as_alpha(alpha: float | Tensor | list, num_classes: int, *, k_latent: int | None = None,
+             dtype=torch.float64) -> Tensor:
+    """The Dirichlet parameter as a ``(K,)`` vector over observed labels (one prior for
+    every latent row), or, given ``k_latent``, a ``(K_latent, K)`` matrix passed through
+    as it is (a prior per latent row); every entry > 0."""
     a = torch.as_tensor(alpha, dtype=dtype)
     if a.ndim == 0:
         a = a.expand(num_classes).clone()
-    if a.shape != (num_classes,):
-        raise ValueError(f"alpha must be a scalar or have shape ({num_classes},), got {tuple(a.shape)}")
+    if a.shape != (num_classes,) and (k_latent is None or a.shape != (k_latent, num_classes)):
+        shapes = f"({num_classes},)" + ("" if k_latent is None
+                                       else f" or ({k_latent}, {num_classes})")
+        raise ValueError(f"alpha must be a scalar or have shape {shapes}, got {tuple(a.shape)}")
     if not torch.isfinite(a).all() or (a <= 0).any():
         raise ValueError(f"alpha must be finite and > 0, got {a.tolist()}")
     return a
@@ -144,8 +149,8 @@ def apply_moves_host(counts: Tensor, z: Tensor, observed: Tensor, counted: Tenso
 def transition(counts: Tensor, alpha: float | Tensor = 0.0) -> Tensor:
     """``phi[k, j] = (C[k, j] + alpha_j) / sum_j' (C[k, j'] + alpha_j')``; rows sum to 1.
 
-    counts: (K_latent, K); alpha: scalar or (K,), may be 0 here (rows with no count and
-    alpha = 0 come out uniform). Returns float64 (K_latent, K).
+    counts: (K_latent, K); alpha: scalar, (K,) or (K_latent, K) (``alpha_kj``), may be 0
+    here (rows with no count and alpha = 0 come out uniform). Returns float64 (K_latent, K).
     """
     c = counts.to(torch.float64)
     a = torch.as_tensor(alpha, dtype=torch.float64)

@@ -43,6 +43,7 @@ FLAGS: dict[str, str] = {
     "--ema-decay": "optim.ema_decay",
     "--norm-weight-decay": "optim.norm_weight_decay",
     "--alpha": "lccn.alpha",
+    "--prior-strength": "lccn.prior_strength",
     "--warmup-steps": "lccn.warmup_steps",
     "--warmup": "lccn.warmup",
     "--warmup-prior": "lccn.warmup_prior",

@@ -6,7 +6,8 @@ For sample m with observed label j = ỹ_m and current latent label z_old_m::
     p(k) ∝ [ P(k | x_m) · (α_j + C¬[k, j]) / Σ_j' (α_j' + C¬[k, j']) ] ^ γ
 
 Shapes: ``probs (M, K_latent)``, ``observed (M,) int64 in [0, K)``, ``z_old (M,) int64``,
-``counts (K_latent, K)``, ``alpha`` scalar or ``(K,)``. ``phi[k, j] = P(observed=j | latent=k)``.
+``counts (K_latent, K)``, ``alpha`` scalar, ``(K,)`` or ``(K_latent, K)`` (a prior per latent
+row, ``α_kj`` in place of ``α_j``). ``phi[k, j] = P(observed=j | latent=k)``.
 The own-count removal applies only to samples currently counted in C (``counted``);
 LCCN+'s trusted samples are never counted and never sampled.
 """
@@ -35,23 +36,31 @@ def conditional_transition(observed: Tensor, z_old: Tensor, counts: Tensor,
 
     Returns ``(M, K_latent)`` float64: ``[m, k] = (α_j + C¬[k, j]) / Σ_j' (α_j' + C¬[k, j'])``
     with ``j = observed[m]`` and ``C¬`` = ``counts`` less sample m's own count at
-    ``[z_old[m], j]`` when ``counted[m]`` (default: all counted).
+    ``[z_old[m], j]`` when ``counted[m]`` (default: all counted). ``alpha``: scalar, ``(K,)``
+    (one Dirichlet prior for every latent row, the paper's) or ``(K_latent, K)`` (a prior
+    per row: ``α_kj`` in place of ``α_j``).
     """
     k_latent, k = counts.shape
-    if (isinstance(alpha, Tensor) and alpha.device == counts.device and alpha.shape == (k,)
+    if (isinstance(alpha, Tensor) and alpha.device == counts.device
+            and alpha.shape in ((k,), (k_latent, k))
             and alpha.dtype == torch.float64 and alpha.device.type != "cpu"):
         a = alpha  # a device copy the labeler validated once (as_alpha's checks would sync)
     else:
-        a = as_alpha(alpha, k).to(counts.device)
+        a = as_alpha(alpha, k, k_latent=k_latent).to(counts.device)
     obs = observed.long()
     # Gather the M needed columns before converting (rows of C^T: a contiguous (M, K_latent)
     # result), and sum integer counts as integers: O(K_latent * M) float64 work instead of
     # converting all of C (O(K^2), 8 MB at K=1000). The values are identical: integer sums
     # below 2**53 are exact in float64 in any order.
-    num = counts.T[obs].to(torch.float64) + a[obs].unsqueeze(1)       # (M, K_latent)
+    num = counts.T[obs].to(torch.float64)                             # (M, K_latent)
     rows = (counts.to(torch.float64).sum(1) if counts.is_floating_point()
             else counts.sum(1).to(torch.float64))                      # (K_latent,)
-    den = (rows + a.sum()).expand(obs.shape[0], k_latent).clone()     # (M, K_latent)
+    if a.ndim == 2:  # a Dirichlet parameter per latent row (LCCNConfig.prior_strength)
+        num = num + a.T[obs]
+        den = (rows + a.sum(1)).expand(obs.shape[0], k_latent).clone()
+    else:
+        num = num + a[obs].unsqueeze(1)
+        den = (rows + a.sum()).expand(obs.shape[0], k_latent).clone()  # (M, K_latent)
     # own-count removal at [m, z_old[m]]: adding -1 (or -0 when not counted) is the same
     # IEEE operation as subtracting 1 (or 0); one scatter per matrix, no gather/put pair
     if counted is None:
@@ -145,7 +154,7 @@ def gibbs_draw(probs: Tensor, observed: Tensor, z_old: Tensor, counts: Tensor, a
     The same arithmetic as :func:`gibbs_posterior` followed by :func:`sample_categorical`
     with the uniforms ``u (M, 1)`` float64 drawn by the caller, every sample counted in C;
     ``gamma`` is a 0-d float64 tensor (multiplying by 1.0 is exact, so no branch is
-    needed); ``alpha`` a ``(K,)`` float64 tensor on the device. Inputs must already be
+    needed); ``alpha`` a ``(K,)`` or ``(K_latent, K)`` float64 tensor on the device. Inputs must already be
     range-checked (the labeler checks them on the host). Returns the posterior
     ``(M, K_latent)``, ``z_new (M,)`` and the fraction of ``z`` that moved (0-d float32).
     """
@@ -175,14 +184,13 @@ def _draw_kernel(probs, observed, z_old, counts, alpha, u, gamma, phi, counted, 
     m, k_latent = probs.shape
     k = counts.shape[1]
     use_phi = phi.shape[0] > 0
-    a_sum = 0.0
-    for j in range(k):
-        a_sum += alpha[j]
     den_row = np.empty(k_latent)
     for r in range(k_latent):
         c = 0
+        a_sum = 0.0
         for j in range(k):
             c += counts[r, j]
+            a_sum += alpha[r, j]
         den_row[r] = c + a_sum
     moved = 0
     for i in range(m):
@@ -198,7 +206,7 @@ def _draw_kernel(probs, observed, z_old, counts, alpha, u, gamma, phi, counted, 
             if use_phi:
                 cond = phi[r, j]
             else:
-                num = counts[r, j] + alpha[j]
+                num = counts[r, j] + alpha[r, j]
                 den = den_row[r]
                 if r == zo:
                     num -= own
@@ -251,7 +259,7 @@ def gibbs_draw_host(probs: np.ndarray, observed: np.ndarray, z_old: np.ndarray,
     CDF boundary. Labels are range-checked.
 
     probs (M, K_latent) float; observed, z_old (M,) int64; counts (K_latent, K) int64; alpha
-    (K,) float64 validated by the caller (> 0, finite); phi (K_latent, K) float64 warm-up
+    (K,) or (K_latent, K) float64 validated by the caller (> 0, finite); phi (K_latent, K) float64 warm-up
     transition; counted (M,) bool. Returns the posterior ``(M, K_latent)`` float64,
     ``z_new (M,)`` int64 and the number of labels that moved.
     """
@@ -260,6 +268,8 @@ def gibbs_draw_host(probs: np.ndarray, observed: np.ndarray, z_old: np.ndarray,
     m, k_latent = probs.shape
     post = np.empty((m, k_latent))
     z_new = np.empty(m, dtype=np.int64)
+    if alpha.ndim == 1:  # the kernel reads a prior per latent row
+        alpha = np.ascontiguousarray(np.broadcast_to(alpha, (k_latent, alpha.shape[0])))
     moved = _draw_kernel(probs, observed, z_old, counts, alpha, u, float(gamma),
                          _NO_PHI if phi is None else phi,
                          _ALL_COUNTED if counted is None else counted, post, z_new)

@@ -47,6 +47,20 @@ def soft_confusion(probs: Tensor, observed: Tensor, num_classes: int, *,
     return torch.where(den > 0, num / den.clamp_min(1e-300), uniform)
 
 
+def anchored_prior(alpha: Tensor, phi_init: Tensor, total: int, strength: float) -> Tensor:
+    """The Dirichlet prior of each latent row of phi when the warm-up estimate anchors it
+    (:attr:`LCCNConfig.prior_strength`): ``α_j + m · phi_init[k, j]`` with
+    ``m = strength · total / K_latent`` pseudo-counts per row (``total``: the samples counted
+    in C, so ``strength`` 1 weighs the estimate as much as an average row's counts).
+    ``alpha (K,)`` float64; returns ``(K_latent, K)`` float64, or ``alpha`` itself when
+    ``strength`` is 0 (the paper's symmetric prior)."""
+    if strength <= 0:
+        return alpha
+    k_latent = phi_init.shape[0]
+    m = float(strength) * float(total) / k_latent
+    return alpha.to(phi_init.device).unsqueeze(0) + m * phi_init.to(torch.float64)
+
+
 def smoothed_identity(k_latent: int, num_classes: int, *, smoothing: float = 0.1) -> Tensor:
     """``(1 - s) I + s / K`` on the first K rows; a uniform outlier row if ``k_latent = K + 1``.
 

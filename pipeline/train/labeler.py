@@ -49,7 +49,7 @@ from pipeline.core.sampler import (
     sample_categorical,
 )
 from pipeline.core.sampler import numba as host_kernel
-from pipeline.core.warmup import warmup_prior
+from pipeline.core.warmup import anchored_prior, warmup_prior
 from pipeline.train.fastpath import to_device
 
 
@@ -105,8 +105,13 @@ class GibbsLabeler:
         self.counts = counts.clone().to(dev)
         self.version = version
         self.k_latent, self.num_classes = counts.shape
-        self.alpha = as_alpha(cfg.alpha, self.num_classes).to(dev)
         self.phi_init = phi_init.to(dev, torch.float64).contiguous()
+        # the Dirichlet prior of phi's rows: the paper's alpha, anchored at phi_init by
+        # cfg.prior_strength pseudo-counts per row of the counted total (fixed for the run:
+        # C's total never changes, so a resumed labeler gets the same prior)
+        self.alpha = anchored_prior(as_alpha(cfg.alpha, self.num_classes).to(dev),
+                                    self.phi_init, int(self.counts.sum()),
+                                    float(getattr(cfg, "prior_strength", 0.0))).contiguous()
         self.max_steps = max(1, max_steps)
         self.steps_per_epoch = max(1, steps_per_epoch if steps_per_epoch is not None
                                    else max_steps)

@@ -121,6 +121,8 @@ class LCCN(Method):
                 trusted=self.trusted, clean=self.engine.data.clean,
                 steps_per_epoch=steps_per_epoch)
             self.labeler.step_count = self.lccn_step
+            if self.report is not None:  # the report's phi: the prior Eq. 7 samples with
+                self.report.alpha = self.labeler.alpha.cpu().tolist()
         if hasattr(self.labeler, "max_staleness"):
             self.labeler.max_staleness = 0
 
@@ -182,7 +184,11 @@ class LCCN(Method):
         one process with ``MonitorConfig.stop``."""
         if state is None or self.phi_init is None:
             return {"transition_error": float("nan")}
-        phi = transition(state["counts"])
+        # the chain's phi: its counts, plus the anchored prior's pseudo-counts when the run
+        # has one (LCCNConfig.prior_strength: then phi is what Eq. 7 samples with)
+        prior = (self.labeler.alpha.cpu() if self.labeler is not None
+                 and self.cfg.prior_strength > 0 else 0.0)
+        phi = transition(state["counts"], prior)
         out = {"transition_error": transition_error(phi, self.engine.data.transition)}
         if row is None:
             return out
