@@ -32,8 +32,8 @@ class LCCNConfig:
         above CE at the final epoch and the default 8.2 below it (posterior targets then
         make LCCN a Forward correction, which memorises: 4.2 below CE even with strength
         1). Off by default until measured on every setting and on the protocol where CE
-        does not memorise (where the counts improve on the estimate: asymmetric 0.5 φ error
-        0.015 against the anchor's).
+        does not memorise (where the counts refine the estimate: at asymmetric 0.5 they
+        reach a φ error of 0.015).
     warmup_steps: δ, LCCN steps during which the conditional transition is replaced by
         ``phi_init``.
     warmup: how ``phi_init`` is estimated from the pretrained classifier. ``"anchor"``
