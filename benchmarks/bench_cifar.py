@@ -80,8 +80,8 @@ DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 # the config fields the benchmark takes from the command line, and its protocol's defaults
 FLAGS = ("--model", "--epochs", "--pretrain-epochs", "--milestones", "--lr", "--batch-size",
-         "--ema-decay", "--norm-weight-decay", "--bn-momentum", "--compile", "--val-fraction",
-         "--alpha", "--warmup-steps", "--warmup", "--targets", "--init", "--warmup-prior",
+         "--weight-decay", "--ema-decay", "--norm-weight-decay", "--bn-momentum", "--compile", "--val-fraction",
+         "--alpha", "--prior-strength", "--warmup-steps", "--warmup", "--targets", "--init", "--warmup-prior",
          "--ramp-epochs", "--refresh-steps")
 DEFAULTS = {"--model": "cnn_wide", "--epochs": 24, "--pretrain-epochs": 8,
             "--milestones": (16, 21), "--lr": 0.1, "--batch-size": 128,
@@ -117,6 +117,10 @@ def get_args_parser() -> argparse.ArgumentParser:
                         "once, before augmentation; image: each image by its own mean and "
                         "deviation after augmentation (tf.image.per_image_standardization, "
                         "the paper's code and the jobs' cifar preset; uint8 in memory)")
+    p.add_argument("--augment", choices=["cropflip", "none"], default="cropflip",
+                   help="cropflip: batched random crop (pad 4) and horizontal flip; none: the "
+                        "stored images (with --weight-decay 0, the memorisation protocol's "
+                        "stress end)")
     p.add_argument("--restart", action="store_true",
                    help="the paper's code's protocol: LCCN starts from CE's final weights "
                         "(after all --epochs; fresh momentum) and runs the whole schedule "
@@ -170,7 +174,7 @@ class Cifar:
     train_y: np.ndarray
     test_x: torch.Tensor
     test_y: np.ndarray
-    aug: RandomCropFlip
+    aug: RandomCropFlip | None
     features: torch.Tensor | None
     normalize: nn.Module | None
 
@@ -198,7 +202,9 @@ def load_data(args: argparse.Namespace) -> Cifar:
         features = train_x.reshape(len(keep), -1)  # a view: no copy
     print(f"loaded CIFAR-10 from {tar} in {time.perf_counter() - t0:.1f}s: train subset "
           f"{tuple(train_x.shape)} (first {per} of each class), test {tuple(test_x.shape)}, "
-          f"normalised per {args.normalise}", flush=True)
+          f"normalised per {args.normalise}, augmentation {args.augment}", flush=True)
+    if args.augment == "none":
+        aug = None
     return Cifar(train_x, arrays.train_y[keep], test_x, arrays.test_y, aug, features, norm)
 
 
@@ -404,7 +410,8 @@ def _use_true_transition(lc: LocalTrainer) -> None:
     method.start_noise_phase = start_with_truth
 
 
-_KEY_DEFAULTS = {"bn_momentum": None, "normalise": "channel"}
+_KEY_DEFAULTS = {"bn_momentum": None, "normalise": "channel", "augment": "cropflip",
+                 "weight_decay": 5e-4}
 
 
 def _run_key(args: argparse.Namespace) -> dict:
@@ -415,7 +422,8 @@ def _run_key(args: argparse.Namespace) -> dict:
             "batch_size": args.batch_size, "val_fraction": args.val_fraction,
             "ema_decay": args.ema_decay, "norm_weight_decay": args.norm_weight_decay,
             "bn_momentum": args.bn_momentum, "normalise": args.normalise,
-            "restart": args.restart}
+            "restart": args.restart, "augment": args.augment,
+            "weight_decay": args.weight_decay}
 
 
 def _save_pretrain(path: Path, snap: dict) -> None:
@@ -439,6 +447,30 @@ def _wait_for_pretrain(path: Path, timeout: float, device: str) -> dict:
     print(f"  loaded the state after {snap['epochs']} CE pre-training epochs from {path} "
           f"(waited {time.perf_counter() - t0:.0f}s)", flush=True)
     return snap
+
+
+def noise_floor(view: LabelView) -> float:
+    """H(observed | clean) in nats, from the view's realised transition: the lowest training
+    loss a classifier reaches on the observed labels *without memorising* them, if it knew
+    each image's clean class (for class-conditional noise, the floor exactly; for
+    instance-dependent noise an upper bound on H(observed | image))."""
+    t = view.realised_transition()
+    known = view.clean[view.clean >= 0]
+    prior = np.bincount(known, minlength=t.shape[0]) / len(known)
+    logs = np.log(np.where(t > 0, t, 1.0))
+    return float(-(prior[:, None] * t * logs).sum())
+
+
+def regime(entry: dict, floor: float, start: int = 0) -> dict:
+    """Does this run memorise? Its peak test accuracy (epoch), the final epoch's drop from
+    it, and the final training loss against the label-noise floor: the memorisation
+    protocol asks of CE a drop of at least 5 points *and* a loss below the floor."""
+    hist = entry["history"][start:]
+    peak = max(range(len(hist)), key=lambda e: hist[e]["test_top1"])
+    drop = hist[peak]["test_top1"] - hist[-1]["test_top1"]
+    return {"peak_test": hist[peak]["test_top1"], "peak_epoch": start + peak + 1,
+            "drop": drop, "final_loss": hist[-1]["loss"], "noise_floor": floor,
+            "memorises": bool(drop >= 0.05 and hist[-1]["loss"] < floor)}
 
 
 def summarise(entry: dict, start: int = 0) -> dict:
@@ -471,9 +503,16 @@ def run_one(args: argparse.Namespace, name: str, seed: int, data: Cifar) -> dict
     result["methods"] = fit_pair(args, cfg_ce, cfg_lccn, train, test, normalize=data.normalize)
     result["wall_s"] = time.perf_counter() - t0
     result["load_avg_end"] = os.getloadavg()
+    result["noise_floor"] = floor = noise_floor(view)
     for m, entry in result["methods"].items():
-        entry["summary"] = summarise(entry, start=args.epochs if args.restart and m != "ce"
-                                     else 0)
+        start = args.epochs if args.restart and m != "ce" else 0
+        entry["summary"] = summarise(entry, start=start)
+        entry["summary"].update(regime(entry, floor, start=start))
+        g = entry["summary"]
+        print(f"  [{m}] peak test {100 * g['peak_test']:.2f} at epoch {g['peak_epoch']}, final "
+              f"{100 * g['final_test']:.2f} (drop {100 * g['drop']:.2f}); final training loss "
+              f"{g['final_loss']:.3f} against the noise floor {floor:.3f}: "
+              f"{'memorises' if g['memorises'] else 'does not memorise'}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{name}-seed{seed}{args.tag}.json"
     path.write_text(json.dumps(result, indent=1))
@@ -556,6 +595,20 @@ def markdown_report(results: list[dict]) -> str:
             f"{lc['label_recovery'] if lc else float('nan'):.3f} | "
             f"{len(r['methods']['lccn']['collapse_epochs']) if lc else '-'} | "
             f"{r['wall_s'] / 60:.1f} | {r['load_avg_start'][0]:.1f}-{r['load_avg_end'][0]:.1f} |")
+    regimes = [r for r in results if all("drop" in e["summary"] for e in r["methods"].values())]
+    if regimes:
+        lines += ["", "Regime per run and method (test top-1 %: peak (epoch), drop from it to the "
+                  "final epoch; final training loss against the label-noise floor H(observed | "
+                  "clean); memorises = drop ≥ 5 and loss < floor):", "",
+                  "| setting | seed | method | peak (epoch) | drop | final loss | floor | "
+                  "memorises |", "|---|---|---|---|---|---|---|---|"]
+        for r in sorted(regimes, key=lambda r: (list(SETTINGS).index(r["setting"]), r["seed"])):
+            for m, e in r["methods"].items():
+                g = e["summary"]
+                lines.append(f"| {r['setting']} | {r['seed']} | {m} | {100 * g['peak_test']:.2f} "
+                             f"({g['peak_epoch']}) | {100 * g['drop']:.2f} | "
+                             f"{g['final_loss']:.3f} | {g['noise_floor']:.3f} | "
+                             f"{'yes' if g['memorises'] else 'no'} |")
     return "\n".join(lines)
 
 

@@ -232,3 +232,45 @@ def test_methods_bench_runs_dividemix_with_the_authors_asymmetric_choices():
     for setting in ("asym0.5", "sym0.5"):
         d = config(given, "dividemix", 0, 10, None, setting).divide
         assert (d.conf_penalty, d.lambda_u) == (False, 5.0)
+
+
+def test_memorisation_flags_reach_the_trainer_and_the_regime_is_reported(bench, shared_data,
+                                                                         tmp_path, one_thread):
+    """``--augment none`` trains on the stored images, ``--weight-decay`` reaches every
+    network's optimiser, and each method's summary says whether it memorised: peak test
+    accuracy, the drop from it, the final training loss against H(observed | clean)."""
+    g = bench["fit_pair"].__globals__
+    base, trainers = g["LocalTrainer"], []
+
+    class Recording(base):
+        def fit(self, **kw):
+            trainers.append(self)
+            return super().fit(**kw)
+
+    g["LocalTrainer"] = Recording
+    try:
+        r = bench["main"](_argv(shared_data, tmp_path / "m", tmp_path / "cache", "--augment",
+                                "none", "--weight-decay", "0.0"))[0]
+    finally:
+        g["LocalTrainer"] = base
+    assert len(trainers) == 2
+    for t in trainers:
+        assert t.train.augment is None
+        assert {grp["weight_decay"] for grp in t.optimizer.param_groups} == {0.0}
+    # H(observed | clean) of the realised symmetric-0.5 view: near the 1.68 nats of 0.5 I + 0.05
+    assert 1.3 < r["noise_floor"] < 2.0
+    for entry in r["methods"].values():
+        s, tests = entry["summary"], [row["test_top1"] for row in entry["history"]]
+        assert s["peak_test"] == max(tests) and s["drop"] == max(tests) - tests[-1]
+        assert s["final_loss"] == entry["history"][-1]["loss"]
+        assert s["memorises"] == (s["drop"] >= 0.05 and s["final_loss"] < r["noise_floor"])
+    assert "Regime per run and method" in bench["markdown_report"]([r])
+
+
+def test_regime_flags_a_run_that_memorises(bench):
+    hist = [{"test_top1": t, "loss": lo} for t, lo in [(0.4, 2.0), (0.52, 1.7), (0.45, 1.2),
+                                                      (0.33, 0.34)]]
+    got = bench["regime"]({"history": hist}, 1.677)
+    assert got["peak_epoch"] == 2 and abs(got["drop"] - 0.19) < 1e-12 and got["memorises"]
+    assert not bench["regime"]({"history": hist[:2]}, 1.677)["memorises"]  # no drop
+    assert not bench["regime"]({"history": hist}, 0.3)["memorises"]         # loss above floor
