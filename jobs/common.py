@@ -224,6 +224,14 @@ def resolve_recipe(args: argparse.Namespace) -> Preset:
                 args.lr_values = list(scaled_lr_values(rec.lr_values, args.lr))
             except ValueError as e:
                 raise SystemExit(f"error: --lr: {e}") from None
+    if getattr(args, "scale_lr", False) and not getattr(args, "lr_scaled", False):
+        if {"lr", "lr_values"} & set(args.recipe_given):
+            raise SystemExit("error: --scale-lr scales the recipe's lr to --batch-size: give "
+                             "it or --lr / --lr-values, not both")
+        factor = args.batch_size / rec.batch_size
+        args.lr = rec.lr * factor
+        args.lr_values = [v * factor for v in args.lr_values]
+        args.lr_scaled = True
     if args.epochs is not None and args.pretrain_epochs is not None \
             and not getattr(args, "smoke_test", False) \
             and not 0 <= args.pretrain_epochs <= args.epochs:
@@ -292,6 +300,12 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
     g.add_argument("--num-workers", type=int, default=2, help="Ray Train workers (DDP ranks)")
     g.add_argument("--gpu", action="store_true", help="one GPU per worker (nccl, bf16 autocast)")
     g.add_argument("--cpus-per-worker", type=float, default=1.0)
+    g.add_argument("--sync-bn", action="store_true",
+                   help="with --gpu: batch-norm statistics over the global batch "
+                        "(torch.nn.SyncBatchNorm), for few images per GPU")
+    g.add_argument("--scale-lr", action="store_true",
+                   help="the linear scaling rule: the recipe's lr (and lr phases) times "
+                        "--batch-size / the recipe's batch (instead of giving --lr)")
     g.add_argument("--loader-workers", type=int, default=2,
                    help="DataLoader processes per worker (0 = read in the worker)")
     g.add_argument("--shuffle-buffer", type=int, default=1000)
@@ -511,13 +525,17 @@ def small_batch_warning(run: RunConfig, dist: DistConfig) -> str | None:
     lr = run.optim.lr * batch / run.optim.batch_size
     return (f"warning: global batch {run.optim.batch_size} over {dist.num_workers} GPUs is "
             f"{per:g} images per GPU: batch-norm statistics from so few are noisy. Consider "
-            f"--batch-size {batch} with the lr scaled linearly, --lr {lr:g} (the recipe's "
-            f"{run.optim.lr:g} x {batch}/{run.optim.batch_size}), or fewer GPUs")
+            f"--batch-size {batch} with the lr scaled linearly (--scale-lr: --lr {lr:g}, "
+            f"{run.optim.lr:g} x {batch}/{run.optim.batch_size}), --sync-bn (statistics over "
+            f"the global batch), or fewer GPUs")
 
 
 def dist_config(args: argparse.Namespace, *, run_name: str, train: str, test: str | None,
                 class_names: list[str], transform: str) -> DistConfig:
     resolve_recipe(args)
+    if getattr(args, "sync_bn", False) and not args.gpu:
+        raise SystemExit("error: --sync-bn needs --gpu (torch.nn.SyncBatchNorm has no CPU "
+                         "kernel)")
     run_dir = args.run_dir.expanduser().resolve()
     tracking = tracking_uri_of(args, run_dir)
     return DistConfig(
@@ -528,6 +546,7 @@ def dist_config(args: argparse.Namespace, *, run_name: str, train: str, test: st
         pretrained=args.pretrained, tracking_uri=tracking, experiment=args.experiment,
         class_names=tuple(class_names), inject_failure=args.inject_failure,
         verify_checksums=args.verify_checksums, s3_endpoint_url=args.s3_endpoint_url,
+        sync_bn=getattr(args, "sync_bn", False),
         init_from=_init_from(args, run_dir / "train" / run_name),
         progress_seconds=args.progress_seconds)
 

@@ -686,9 +686,63 @@ def test_a_few_images_per_gpu_are_warned_about_with_the_scaled_lr():
                              use_gpu=True)
     text = common.small_batch_warning(run, dist)
     assert run.optim.batch_size == 32 and "4 images per GPU" in text
-    assert f"--batch-size 128 with the lr scaled linearly, --lr {run.optim.lr * 4:g}" in text
+    assert (f"--batch-size 128 with the lr scaled linearly (--scale-lr: --lr "
+            f"{run.optim.lr * 4:g}" in text and "--sync-bn" in text)
     assert common.small_batch_warning(run, dataclasses.replace(dist, num_workers=1)) is None
     assert common.small_batch_warning(run, dataclasses.replace(dist, use_gpu=False)) is None
+
+
+def test_scale_lr_applies_the_linear_rule_and_sync_bn_needs_gpus():
+    """--scale-lr: the recipe's lr (and its lr phases) times --batch-size / the recipe's
+    batch, once however often the recipe is resolved; with --lr it is refused. --sync-bn
+    reaches DistConfig on GPU workers and is refused on CPUs with one line."""
+    _, run0 = _configs(clothing1m_lccn, ["--data", "/x"])
+    _, run = _configs(clothing1m_lccn, ["--data", "/x", "--batch-size", "128", "--scale-lr"])
+    assert run.optim.batch_size == 128 and run.optim.lr == pytest.approx(run0.optim.lr * 4)
+    args, run = _configs(cifar_lccn, ["--data", "/x", "--batch-size", "256", "--scale-lr"])
+    _, plain = _configs(cifar_lccn, ["--data", "/x"])
+    common.resolve_recipe(args)  # again: no second scaling
+    factor = 256 / plain.optim.batch_size
+    assert args.lr == pytest.approx(plain.optim.lr * factor)
+    assert args.lr_values == pytest.approx([0.5 * factor, 0.1 * factor, 0.01 * factor])
+    with pytest.raises(SystemExit, match="--scale-lr scales the recipe's lr"):
+        _configs(cifar_lccn, ["--data", "/x", "--lr", "0.2", "--scale-lr"])
+    args, _ = _configs(cifar_lccn, ["--data", "/x", "--sync-bn"])
+    with pytest.raises(SystemExit, match="--sync-bn needs --gpu"):
+        common.dist_config(args, run_name="r", train="/s", test=None, class_names=[],
+                           transform="cifar")
+    args, _ = _configs(cifar_lccn, ["--data", "/x", "--sync-bn", "--gpu"])
+    dist = common.dist_config(args, run_name="r", train="/s", test=None, class_names=[],
+                              transform="cifar")
+    assert dist.sync_bn and dist.use_gpu
+    with pytest.raises(ValueError, match="sync_bn needs GPU workers"):
+        dataclasses.replace(dist, use_gpu=False)
+
+
+def test_sync_bn_converts_the_batch_norm_layers_in_place_keeping_the_parameters(monkeypatch):
+    """What a GPU worker does with --sync-bn before DDP: every BatchNorm becomes a
+    SyncBatchNorm over the same parameter and buffer tensors (the optimiser built before
+    keeps training them; the checkpoint keys are unchanged). With one worker nothing changes."""
+    import ray.train.torch
+    import torch
+
+    from pipeline.dist.ray_train import RaySession
+    from pipeline.train.models import build_model
+
+    model = build_model("cnn_wide", 10)
+    params, keys = [id(p) for p in model.parameters()], list(model.state_dict())
+    monkeypatch.setattr(ray.train.torch, "prepare_model", lambda m: m)
+    session = RaySession.__new__(RaySession)
+    session.rank, session.world_size, session.sync_bn = 0, 2, True
+    out = session.prepare_model(model)
+    assert out is model and [id(p) for p in model.parameters()] == params
+    assert list(model.state_dict()) == keys
+    kinds = {type(m) for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)}
+    assert kinds == {torch.nn.SyncBatchNorm}
+    single = build_model("cnn_wide", 10)
+    session.world_size = 1
+    session.prepare_model(single)
+    assert not any(isinstance(m, torch.nn.SyncBatchNorm) for m in single.modules())
 
 
 def test_weights_reach_the_run_by_their_absolute_path(tmp_path, monkeypatch):

@@ -101,11 +101,16 @@ class RaySession(TorchCollectives):
         self.progress: dict[str, Any] | None = None
         self.fault: ReportFault | None = None
         self.reports = 0
+        self.sync_bn = False  # DistConfig.sync_bn, set by the entry point
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         import ray.train.torch
 
         stop_on_non_finite(model, rank=self.rank)
+        if self.sync_bn and self.world_size > 1:
+            # in place: the parameters and buffers are the same tensors (the optimiser, the
+            # weight average and the checkpoints keep them; the state-dict keys are unchanged)
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         return ray.train.torch.prepare_model(model)
 
 
@@ -276,6 +281,7 @@ def train_loop_per_worker(config: dict) -> None:
     torch.set_num_threads(max(1, int(config.get("threads", 1))))
     session = RaySession()
     session.checkpoint_root = Path(dist.run_dir) / "train" / dist.run_name
+    session.sync_bn = dist.sync_bn
     if config.get("fault"):
         session.fault = ReportFault(**config["fault"])
     session.progress = {"run_name": dist.run_name, "epochs": run.optim.epochs,

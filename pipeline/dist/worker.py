@@ -106,6 +106,9 @@ class DistConfig:
         (images/s, the epoch's ETA; ``pipeline.train.progress``); 0: one line per epoch only.
     mlflow_tags: ``(key, value)`` pairs set on the MLflow run when it is created (a sweep
         trial: ``mlflow.parentRunId`` of the sweep's parent run and its trial id).
+    sync_bn: batch-norm statistics over the global batch (``torch.nn.SyncBatchNorm``)
+        instead of each GPU's share of it; for small per-GPU batches. GPU workers only
+        (SyncBatchNorm has no CPU kernel).
     """
 
     run_name: str
@@ -130,6 +133,7 @@ class DistConfig:
     init_from: str | None = None
     progress_seconds: float = 60.0
     mlflow_tags: tuple[tuple[str, str], ...] = ()
+    sync_bn: bool = False
 
     def __post_init__(self) -> None:
         for name in ("lr_values", "class_names"):
@@ -149,6 +153,9 @@ class DistConfig:
             raise ValueError(f"need num_workers >= 1, loader_workers >= 0, checkpoint_every "
                              f">= 0; got {self.num_workers}, {self.loader_workers}, "
                              f"{self.checkpoint_every}")
+        if self.sync_bn and not self.use_gpu:
+            raise ValueError("DistConfig.sync_bn needs GPU workers (use_gpu): "
+                             "torch.nn.SyncBatchNorm has no CPU kernel")
         parse_failures(self.inject_failure)
 
 
