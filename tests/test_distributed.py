@@ -723,7 +723,9 @@ def test_invariants_and_exact_commit_count_after_failures(chaos_run):
 
 
 @pytest.mark.ray
-def test_mlflow_run_holds_metrics_figures_and_checkpoint(chaos_run):
+def test_mlflow_run_holds_metrics_figures_and_checkpoint(chaos_run, tmp_path):
+    import mlflow.artifacts
+    import mlflow.pytorch
     from mlflow import MlflowClient
 
     s = chaos_run["summary"]
@@ -745,6 +747,12 @@ def test_mlflow_run_holds_metrics_figures_and_checkpoint(chaos_run):
     assert {f"transitions/phi_epoch_{e:03d}.png" for e in range(PRETRAIN, EPOCHS)} <= figs
     ckpt = {f.path for f in client.list_artifacts(run.info.run_id, "checkpoint")}
     assert "checkpoint/state.pt" in ckpt
+    # the classifier records what lccn-predict needs: the run's transform and class names
+    local = mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="model",
+                                                tracking_uri=s["tracking_uri"],
+                                                dst_path=str(tmp_path))
+    model = mlflow.pytorch.load_model(local)
+    assert model.preset == "digits" and model.class_names == tuple(str(d) for d in range(10))
 
 
 @pytest.mark.ray

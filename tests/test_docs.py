@@ -159,7 +159,7 @@ def _check_command(argv: list[str]) -> bool:
     import importlib
     import sys
 
-    from pipeline.track import label_issues
+    from pipeline.track import label_issues, predict
     from pipeline.train import models
     from shards import cli, labelview
     from tune import sweep
@@ -175,7 +175,9 @@ def _check_command(argv: list[str]) -> bool:
                "lccn-label-issues": label_issues.get_args_parser,
                "python -m pipeline.track.label_issues": label_issues.get_args_parser,
                "python -m tune.sweep": sweep.get_args_parser,
-               "python -m pipeline.train.models": models.get_args_parser}
+               "python -m pipeline.train.models": models.get_args_parser,
+               "lccn-predict": predict.get_args_parser,
+               "python -m pipeline.track.predict": predict.get_args_parser}
     if prog in parsers:
         parsers[prog]().parse_args(args)
         return True

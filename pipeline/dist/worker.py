@@ -276,7 +276,7 @@ def run_worker(run: RunConfig, dist: DistConfig, view: LabelView, store: Any,
                             tracking=tracking, after_step=lambda step: failures(step, stores[0]),
                             normalize=build_batch_transform(dist.preset) if cuda else None,
                             sample_keys=keys, init_from=dist.init_from,
-                            progress_seconds=dist.progress_seconds)
+                            progress_seconds=dist.progress_seconds, preset=dist.preset)
     return Engine(run, session, data, chain=chain, options=options).fit()
 
 

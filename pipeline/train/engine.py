@@ -143,6 +143,9 @@ class EngineOptions:
     # rank 0 reports its progress inside an epoch every this many seconds (a tqdm bar on a
     # terminal, else a plain line and two MLflow metrics: pipeline.train.progress); 0: off
     progress_seconds: float = 0.0
+    # the transform preset of the run's images (pipeline.data.transforms), recorded in the
+    # exported classifier (Predictor.preset); None for in-memory data
+    preset: str | None = None
 
 
 _REDUCED = ("loss", "label_recovery", "changed", "staleness", "gamma", "step_time",
@@ -598,7 +601,10 @@ class Engine:
         every network's weights (their averages, when kept), images in, the K classes'
         probabilities out."""
         nets = [m.ema if m.ema is not None else m.model for m in self.members]
-        return Predictor(nets, self.num_classes, normalize=self.options.normalize)
+        t = self.options.tracking
+        names = t.class_names if t is not None and len(t.class_names) == self.num_classes else ()
+        return Predictor(nets, self.num_classes, normalize=self.options.normalize,
+                         preset=self.options.preset, class_names=names)
 
     def _example_images(self) -> Tensor | None:
         """Two images of the test (else validation) split, on the CPU, as the networks take

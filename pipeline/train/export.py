@@ -20,14 +20,25 @@ class Predictor(nn.Module):
     the run normalised on the device, then ``normalize`` does it here) -> class
     probabilities ``(B, K)`` float32: the mean over the networks (DivideMix's two) of the
     softmax of their first K logits (LCCN*'s outlier logit left out of the class
-    distribution). The networks are copies, on the CPU, in eval mode."""
+    distribution). The networks are copies, on the CPU, in eval mode.
+
+    ``preset``: the transform preset of the run's images (:mod:`pipeline.data.transforms`;
+    None when the run did not read shards), ``class_names``: the K names (empty when
+    unknown): what ``lccn-predict`` (:mod:`pipeline.track.predict`) needs to feed the model
+    a user's images and name its classes."""
 
     def __init__(self, nets: Sequence[nn.Module], num_classes: int,
-                 normalize: nn.Module | None = None) -> None:
+                 normalize: nn.Module | None = None, *, preset: str | None = None,
+                 class_names: Sequence[str] = ()) -> None:
         super().__init__()
         self.nets = nn.ModuleList(copy.deepcopy(n).cpu().eval() for n in nets)
         self.normalize = copy.deepcopy(normalize).cpu() if normalize is not None else None
         self.num_classes = int(num_classes)
+        self.preset = preset
+        self.class_names = tuple(str(c) for c in class_names)
+        if self.class_names and len(self.class_names) != self.num_classes:
+            raise ValueError(f"{len(self.class_names)} class names for {self.num_classes} "
+                             f"classes")
 
     @torch.no_grad()
     def forward(self, images: Tensor) -> Tensor:
