@@ -31,7 +31,7 @@ from tune.search_spaces import (
 )
 
 KNOBS = {"lccn.alpha", "lccn.anneal", "lccn.warmup_steps", "lccn.warmup", "lccn.targets",
-         "lccn.ramp_epochs", "optim.lr"}
+         "lccn.ramp_epochs", "lccn.prior_strength", "optim.lr"}
 
 
 @pytest.mark.parametrize("name", ["quickstart", "cifar", "clothing1m", "webvision"])

@@ -48,6 +48,9 @@ TIME_ATTR = "epochs_done"  # ASHA's clock: epochs finished by the trial's Train 
 
 PAPER_ALPHAS = (0.01, 0.1, 0.5, 1.0, 5.0, 10.0, 100.0, 1000.0)
 ALPHA = {"loguniform": [0.01, 1000.0]}
+# the warm-up estimate as phi's prior (LCCNConfig.prior_strength): what keeps the chain from
+# following a classifier that memorises its labels (benchmarks/results/cifar.md)
+PRIOR_STRENGTH = {"choice": [0.0, 1.0, 4.0]}
 
 SPACES: dict[str, dict[str, Any]] = {
     # the digits quickstart: ~20 steps an epoch at the smoke sizes, so δ stays small
@@ -58,6 +61,7 @@ SPACES: dict[str, dict[str, Any]] = {
         "lccn.warmup": {"choice": ["anchor", "eq8", "identity"]},
         "lccn.targets": {"choice": ["sample", "posterior"]},
         "lccn.ramp_epochs": {"choice": [0.0, 1.0, 4.0]},
+        "lccn.prior_strength": PRIOR_STRENGTH,
         "optim.lr": {"loguniform": [0.02, 0.2]},
     },
     "cifar": {
@@ -67,6 +71,7 @@ SPACES: dict[str, dict[str, Any]] = {
         "lccn.warmup": {"choice": ["anchor", "eq8"]},
         "lccn.targets": {"choice": ["sample", "posterior"]},
         "lccn.ramp_epochs": {"choice": [0.0, 1.0, 4.0]},
+        "lccn.prior_strength": PRIOR_STRENGTH,
         "optim.lr": {"loguniform": [0.1, 0.5]},
     },
     "clothing1m": {
@@ -76,6 +81,7 @@ SPACES: dict[str, dict[str, Any]] = {
         "lccn.warmup": {"choice": ["anchor", "eq8"]},
         "lccn.targets": {"choice": ["sample", "posterior"]},
         "lccn.ramp_epochs": {"choice": [0.0, 1.0, 4.0]},
+        "lccn.prior_strength": PRIOR_STRENGTH,
         "optim.lr": {"loguniform": [3e-4, 3e-3]},
     },
     "webvision": {
@@ -85,6 +91,7 @@ SPACES: dict[str, dict[str, Any]] = {
         "lccn.warmup": {"choice": ["anchor", "eq8"]},
         "lccn.targets": {"choice": ["sample", "posterior"]},
         "lccn.ramp_epochs": {"choice": [0.0, 1.0, 4.0]},
+        "lccn.prior_strength": PRIOR_STRENGTH,
         "optim.lr": {"loguniform": [3e-3, 3e-2]},
     },
     # the paper's alpha ablation alone: the grid, every other setting the job's own
