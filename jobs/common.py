@@ -298,7 +298,7 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
                         "<run-dir>/mlflow.db, smoke data (default $LCCN_RUNS/<job>, else "
                         "~/lccn_runs/<job>)")
     g.add_argument("--num-workers", type=int, default=2, help="Ray Train workers (DDP ranks)")
-    g.add_argument("--gpu", action="store_true", help="one GPU per worker (nccl, bf16 autocast)")
+    g.add_argument("--gpu", action="store_true", help="one GPU per worker (nccl; autocast bf16, or fp16 with a grad scaler on GPUs without bf16)")
     g.add_argument("--cpus-per-worker", type=float, default=1.0)
     g.add_argument("--sync-bn", action="store_true",
                    help="with --gpu: batch-norm statistics over the global batch "

@@ -207,3 +207,55 @@ def test_gpu_check_runs_end_to_end_at_tiny_sizes_on_the_cpu(tmp_path):
     assert res["resnet50_synthetic"]["ours_images_per_s"] > 0
     assert res["resnet50_shards"][0]["steps"] == 4  # 8 JPEGs in batches of 2
     assert "Ratio this pipeline / plain loop" in (tmp_path / "gpu.md").read_text()
+
+
+def test_fp16_autocasts_and_scales_the_loss_of_every_network():
+    """``amp="fp16"`` (GPUs without bf16): the forward pass autocasts to float16, every
+    network's optimiser steps through a GradScaler, and a run trains to finite weights; a
+    non-finite gradient skips the step and lowers the scale. ``"auto"`` picks bf16 where the
+    device has it, fp16 where it does not, nothing on the CPU."""
+    from pipeline.train.fastpath import grad_scaler
+
+    p = PerfConfig(amp="fp16")
+    assert p.amp_dtype("cpu") == "float16" and p.enabled("amp", "cpu")
+    assert PerfConfig().amp_dtype("cuda:0") == "bfloat16"
+    assert PerfConfig().amp_dtype("cuda:0", bf16_supported=False) == "float16"
+    assert PerfConfig().amp_dtype("cpu") is None and grad_scaler(PerfConfig(), "cpu") is None
+    assert grad_scaler(PerfConfig(amp="bf16"), "cpu") is None  # bf16 needs no scaling
+    model = build_model("small_cnn", 10, in_channels=1, seed=0)
+    seen = []
+    model.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+    fwd = Forward(model, amp="float16", channels_last=False, device_type="cpu")
+    assert fwd(torch.randn(4, 1, 8, 8)).dtype == torch.float32 and seen == [torch.float16]
+
+    train, test = _data()
+    trainer = LocalTrainer(replace(_cfg(p), method="ce"), train, test)
+    scalers = []
+    run_pass = trainer.engine.fit.__globals__["run_pass"]
+
+    def recording(*a, **kw):
+        scalers.append(kw.get("scalers"))
+        return run_pass(*a, **kw)
+
+    trainer.engine.fit.__globals__["run_pass"] = recording
+    try:
+        hist = trainer.fit()
+    finally:
+        trainer.engine.fit.__globals__["run_pass"] = run_pass
+    member = trainer.engine.members[0]
+    assert isinstance(member.scaler, torch.amp.GradScaler)
+    assert scalers and all(s == {id(member.optimizer): member.scaler} for s in scalers)
+    assert all(torch.isfinite(q).all() for q in trainer.model.parameters())
+    assert hist[-1]["test_top1"] > 0.3
+
+    # an inf gradient: the step is skipped, the weights unchanged, the scale halved
+    scaler = member.scaler
+    before = [q.detach().clone() for q in trainer.model.parameters()]
+    scale = scaler.get_scale()
+    member.optimizer.zero_grad()
+    loss = trainer.model(train.images[:8]).sum() * float("inf")
+    scaler.scale(loss).backward()
+    scaler.step(member.optimizer)
+    scaler.update()
+    assert scaler.get_scale() == scale / 2
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))

@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 # flags of a config field's name that some program declares by hand for something else
 OTHER_MEANINGS = {
     ("benchmarks/bench_loader.py", "--batch-size"): "the loader's own batch, no run",
+    ("pipeline/track/predict.py", "--batch-size"): "images per forward pass, no run",
     ("benchmarks/bench_actor.py", "--commit-every"): "a list of values to sweep",
     ("benchmarks/bench_actor.py", "--seed"): "the synthetic load's seed",
     ("benchmarks/bench_sampler.py", "--seed"): "the synthetic posteriors' seed",

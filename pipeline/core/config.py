@@ -435,7 +435,7 @@ class DivideConfig:
 
 
 SWITCHES = ("auto", "on", "off")
-AMPS = ("auto", "bf16", "off")
+AMPS = ("auto", "bf16", "fp16", "off")
 COMPILES = ("off", "default", "reduce-overhead", "max-autotune-no-cudagraphs")
 
 
@@ -445,7 +445,11 @@ class PerfConfig:
     CPU (where bf16 autocast and channels-last are slower or unsupported by the kernels);
     the CPU path is the reference the exactness tests run.
 
-    amp: ``"bf16"`` autocast of the forward pass (logits and the loss stay float32).
+    amp: autocast of the forward pass (logits and the loss stay float32). ``"bf16"``;
+        ``"fp16"`` with a gradient scaler per network (``torch.amp.GradScaler``: the loss
+        scaled up before the backward pass so float16 gradients do not underflow, a step
+        with an inf/NaN gradient skipped and the scale lowered), for GPUs without bf16;
+        ``"auto"``: bf16 on a CUDA device that supports it, else fp16 there, off on the CPU.
     channels_last: NHWC activations (cuDNN's fast convolution layout).
     compile: ``torch.compile`` mode, ``"off"`` by default (compilation costs tens of
         seconds per model and process); falls back to eager with a warning when the
@@ -471,11 +475,20 @@ class PerfConfig:
                 raise ValueError(f"PerfConfig.{name} must be one of {SWITCHES}, "
                                  f"got {getattr(self, name)!r}")
 
+    def amp_dtype(self, device: str | object, *, bf16_supported: bool = True) -> str | None:
+        """``"bfloat16"``, ``"float16"`` or None (no autocast) on ``device``;
+        ``bf16_supported``: whether that device has bf16 (``"auto"`` falls back to fp16)."""
+        if self.amp == "off" or (self.amp == "auto" and not str(device).startswith("cuda")):
+            return None
+        if self.amp == "fp16" or (self.amp == "auto" and not bf16_supported):
+            return "float16"
+        return "bfloat16"
+
     def enabled(self, name: str, device: str | object) -> bool:
         """Whether switch ``name`` is on for ``device`` (``"auto"``: on for CUDA only)."""
         value = getattr(self, name)
         if name == "amp":
-            value = {"bf16": "on"}.get(value, value)
+            value = {"bf16": "on", "fp16": "on"}.get(value, value)
         if value == "auto":
             return str(device).startswith("cuda")
         return value == "on"

@@ -74,7 +74,7 @@ from pipeline.train.checkpoints import (
     last_lr,
 )
 from pipeline.train.export import Predictor
-from pipeline.train.fastpath import configure_backends, wrap_model
+from pipeline.train.fastpath import configure_backends, grad_scaler, wrap_model
 from pipeline.train.loop import run_pass
 from pipeline.train.members import Member, ema_decay_at, make_scheduler, param_groups
 from pipeline.train.methods import get_method
@@ -292,6 +292,7 @@ class Engine:
             if m.ema is not None:
                 m.ema_eval = wrap_model(m.ema, replace(perf, compile="off"), self.device,
                                         normalize=norm)
+            m.scaler = grad_scaler(perf, self.device)  # float16 autocast only
         if self.chain is not None:
             self.chain.open(state["store"] if state is not None else None, session)
         if self.options.tracking is not None and session.rank == 0:
@@ -460,7 +461,9 @@ class Engine:
 
         try:
             stats = run_pass(method.train_task(epoch), train_pass, device=self.device,
-                             after_step=after_step)
+                             after_step=after_step,
+                             scalers={id(m.optimizer): m.scaler for m in self.members
+                                      if m.scaler is not None})
         finally:
             if progress is not None:
                 progress.close()

@@ -27,18 +27,21 @@ def configure_backends(perf: PerfConfig, device: str | torch.device) -> None:
 
 
 class Forward(nn.Module):
-    """``model`` with channels-last inputs and a bf16-autocast forward; float32 logits.
+    """``model`` with channels-last inputs and an autocast forward (bf16 or fp16); float32
+    logits.
 
     Parameters stay with ``model`` (optimisers and checkpoints use it directly); this
     wrapper only changes how the forward pass runs.
     """
 
-    def __init__(self, model: nn.Module, *, amp: bool, channels_last: bool,
+    def __init__(self, model: nn.Module, *, amp: bool | str, channels_last: bool,
                  device_type: str, normalize: nn.Module | None = None) -> None:
         super().__init__()
         self.model = model
         self.normalize = normalize
-        self.amp, self.channels_last, self.device_type = amp, channels_last, device_type
+        # amp: False, True (bf16) or the autocast dtype's name ("bfloat16", "float16")
+        self.amp = "bfloat16" if amp is True else (amp or None)
+        self.channels_last, self.device_type = channels_last, device_type
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dtype == torch.uint8:
@@ -51,7 +54,7 @@ class Forward(nn.Module):
             x = x.contiguous(memory_format=torch.channels_last)
         if not self.amp:
             return self.model(x)
-        with torch.autocast(self.device_type, dtype=torch.bfloat16):
+        with torch.autocast(self.device_type, dtype=getattr(torch, self.amp)):
             return self.model(x).float()
 
 
@@ -77,13 +80,28 @@ class _CompiledOrEager(nn.Module):
         return self.eager(x)
 
 
+def amp_dtype(perf: PerfConfig, device: str | torch.device) -> str | None:
+    """The autocast dtype's name on ``device`` (:meth:`PerfConfig.amp_dtype`, asking CUDA
+    whether it has bf16), or None."""
+    dev = torch.device(device)
+    bf16 = dev.type != "cuda" or torch.cuda.is_bf16_supported()
+    return perf.amp_dtype(dev, bf16_supported=bf16)
+
+
+def grad_scaler(perf: PerfConfig, device: str | torch.device) -> torch.amp.GradScaler | None:
+    """A gradient scaler for one network when its forward pass autocasts to float16."""
+    if amp_dtype(perf, device) != "float16":
+        return None
+    return torch.amp.GradScaler(torch.device(device).type)
+
+
 def wrap_model(model: nn.Module, perf: PerfConfig, device: str | torch.device, *,
                normalize: nn.Module | None = None) -> nn.Module:
     """The module the training step calls: ``model`` (already on ``device``) with the fast
     paths ``perf`` enables for ``device``. Channels-last also converts the parameters.
     ``normalize``: applied on the device to uint8 batches (``LoaderConfig.normalize_on``)."""
     dev = torch.device(device)
-    amp = perf.enabled("amp", dev)
+    amp = amp_dtype(perf, dev)
     cl = perf.enabled("channels_last", dev)
     if cl:
         model.to(memory_format=torch.channels_last)

@@ -14,6 +14,7 @@ the rest, identically for every method::
         for each network k (Task.optimizers, in order; DivideMix and DivideLCCN: two):
             loss, target = task.forward(k, StepInput)     forward and loss: the method's
             zero_grad; loss.backward(); task.before_step(k); optimizer.step()
+                                                          (fp16: through its GradScaler)
             task.after_step(k, ...)                       LCCN: commit the sampled labels
         after_step()                                      the engine's global step
         statistics: the loss, label recovery of network 0's target, images/s
@@ -27,7 +28,7 @@ networks overrides it to rank by both).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,7 +107,8 @@ class Task:
 
 
 def run_pass(task: Task, batches: Iterable[Any], *, device: torch.device | str = "cpu",
-             after_step: Callable[[], None] | None = None) -> dict[str, float]:
+             after_step: Callable[[], None] | None = None,
+             scalers: Mapping[int, Any] | None = None) -> dict[str, float]:
     """One pass of ``task`` over ``batches`` (see the module doc). Returns loss (the mean
     over valid samples, averaged over the networks), label_recovery (network 0's target ==
     clean where the clean label is known), changed, staleness, gamma, step_time,
@@ -115,6 +117,11 @@ def run_pass(task: Task, batches: Iterable[Any], *, device: torch.device | str =
 
     On an accelerator the loop never waits for the device: the per-step figures accumulate
     on the device and are read once, at the end of the pass.
+
+    ``scalers``: a ``torch.amp.GradScaler`` by ``id(optimizer)`` for the networks whose
+    forward autocasts to float16 (:func:`pipeline.train.fastpath.grad_scaler`): their loss
+    is scaled before the backward pass, the gradients unscaled before ``before_step`` (which
+    sees true gradients), and a step with a non-finite gradient skipped.
     """
     dev = torch.device(device)
     zero = torch.zeros((), dtype=torch.float64, device=dev)
@@ -137,9 +144,17 @@ def run_pass(task: Task, batches: Iterable[Any], *, device: torch.device | str =
         for k, optimizer in enumerate(task.optimizers):
             loss, target = task.forward(k, step)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            task.before_step(k)
-            optimizer.step()
+            scaler = scalers.get(id(optimizer)) if scalers else None
+            if scaler is None:
+                loss.backward()
+                task.before_step(k)
+                optimizer.step()
+            else:  # float16 autocast
+                scaler.scale(loss).backward()
+                scaler.unscale_(optimizer)
+                task.before_step(k)
+                scaler.step(optimizer)
+                scaler.update()
             task.after_step(k, step)
             loss_sum += loss.detach() * (nvalid / nets)
             if k == 0 and target is not None:

@@ -40,6 +40,8 @@ class Member:
     eval_model: nn.Module | None = None
     ema: nn.Module | None = None
     ema_eval: nn.Module | None = None
+    # float16 autocast (PerfConfig.amp): the loss scaler of this network's optimiser
+    scaler: Any = None
     # the tensor lists update_average works on, built once per (model, ema) pair of modules:
     # walking the module tree for them each step costs more than the fused update itself
     _average_lists: tuple | None = field(default=None, repr=False, compare=False)
