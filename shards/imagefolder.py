@@ -27,11 +27,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
+from pipeline.data.images import IMAGE_EXTENSIONS
 from pipeline.data.manifest import Manifest
 from shards.writer import SampleRecord, ShardError, WriterOptions, shuffled, write_split
-
-IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff",
-                              ".ppm", ".pgm"})
 
 
 def _visible_dirs(path: Path) -> list[str]:
