@@ -112,6 +112,9 @@ class GibbsLabeler:
         self.alpha = anchored_prior(as_alpha(cfg.alpha, self.num_classes).to(dev),
                                     self.phi_init, int(self.counts.sum()),
                                     float(getattr(cfg, "prior_strength", 0.0))).contiguous()
+        # the host kernel's prior, a (K_latent, K) array made once (not at every step)
+        self._alpha_host = np.ascontiguousarray(np.broadcast_to(
+            self.alpha.cpu().numpy(), (self.k_latent, self.num_classes)))
         self.max_steps = max(1, max_steps)
         self.steps_per_epoch = max(1, steps_per_epoch if steps_per_epoch is not None
                                    else max_steps)
@@ -347,7 +350,7 @@ class GibbsLabeler:
         keep = None if counted is None else counted.numpy()
         post, z_new, moved = gibbs_draw_host(
             probs.detach().cpu().numpy(), observed.cpu().numpy().astype(np.int64, copy=False),
-            z_prev, self.counts.numpy(), self.alpha.numpy(), u.numpy(), gamma=gamma,
+            z_prev, self.counts.numpy(), self._alpha_host, u.numpy(), gamma=gamma,
             phi=None if phi is None else phi.numpy(), counted=keep)
         if keep is not None and self.clean is not None:
             fixed = ~keep   # trusted samples: their clean label, a one-hot posterior
