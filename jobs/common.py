@@ -137,6 +137,15 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            note="80 epochs (10 CE), wd 5e-4 and 40,000 warm-up steps are our choices",
            source="LCCN paper Sec. 4.1.3 (WebVision) and Table 7; MixMatch alpha, lambda_u: "
                   "DivideMix's WebVision settings"),
+    # one's own images (jobs/train.py): an ImageNet backbone fine-tuned from its weights at
+    # the usual fine-tuning rate; the job sets the warm-up from the data (half the noise
+    # phase's steps, between the paper's CIFAR and Clothing1M shares) and the transform
+    # from --image-size
+    Preset("images", "resnet50", "imagenet224", 64, 0.01, 30, 3, 5e-4, 0, "anchor",
+           milestones=(20,), pretrained=True,
+           note="the job sets the warm-up to half the noise phase's steps unless "
+                "--warmup-steps is given",
+           source="ours (jobs/train.py, one's own images)"),
     # the quickstart: scikit-learn digits, small CNN on the CPU
     # targets "sample": on 1,257 digits a small CNN memorises the noisy labels, and the
     # sampled z (which relabels) beats the posterior target (which follows the labels once
@@ -922,6 +931,19 @@ def summary_line(metrics: dict[str, Any], keys: tuple[str, ...] = SUMMARY_KEYS) 
     return "  ".join(f"{key} {m[key]:.4g}" for key in keys if isinstance(m.get(key), float))
 
 
+def noise_phase_steps(run: RunConfig, manifest: Manifest, world_size: int) -> list[int]:
+    """The steps of every epoch of the noise phase (after the CE pre-training) per worker,
+    from the loader's own plan of each epoch (whole shards per rank; the noisy-validation
+    samples are dropped from the batches, not from the count of steps)."""
+    from pipeline.data.stream import plan_epoch
+
+    counts = [s.num_samples for s in manifest.shards]
+    per_rank = max(1, run.optim.batch_size // world_size)
+    return [plan_epoch(counts, world_size=world_size, num_workers=1, batch_size=per_rank,
+                       seed=run.seed, epoch=e, shuffle=True).steps
+            for e in range(run.optim.pretrain_epochs, run.optim.epochs)]
+
+
 def warmup_covers_phase(run: RunConfig, manifest: Manifest, world_size: int) -> str | None:
     """A warning when δ (``warmup_steps``) lasts at least the whole LCCN phase: Eq. 7 then
     never reads the counts, so α and the learned transition change nothing (a sweep over α
@@ -929,16 +951,10 @@ def warmup_covers_phase(run: RunConfig, manifest: Manifest, world_size: int) -> 
     an LCCN phase. The phase's steps are every rank's, from the loader's own plan of each
     epoch (whole shards per rank; the noisy-validation samples are dropped from the batches,
     not from the count of steps)."""
-    from pipeline.data.stream import plan_epoch
-
     epochs = run.optim.epochs - run.optim.pretrain_epochs
     if run.method not in ("lccn", "divide_lccn") or run.lccn.warmup_steps == 0 or epochs <= 0:
         return None
-    counts = [s.num_samples for s in manifest.shards]
-    per_rank = max(1, run.optim.batch_size // world_size)
-    per_epoch = [plan_epoch(counts, world_size=world_size, num_workers=1, batch_size=per_rank,
-                            seed=run.seed, epoch=e, shuffle=True).steps
-                 for e in range(run.optim.pretrain_epochs, run.optim.epochs)]
+    per_epoch = noise_phase_steps(run, manifest, world_size)
     steps = sum(per_epoch)
     if run.lccn.warmup_steps < steps:
         return None
@@ -959,7 +975,7 @@ def prepare(args: argparse.Namespace, *, job: str, preset: Preset) -> list[str]:
     args.in_channels = preset.in_channels
     rec = resolve_recipe(args)
     given = args.recipe_given
-    if rec is not preset and rec.name == preset.name and not args.smoke_test:
+    if rec is not PRESETS.get(rec.name) and rec.name == preset.name and not args.smoke_test:
         log.append(f"[{job}] --method {args.method} runs its own {rec.name} recipe: "
                    f"{rec.epochs} epochs ({rec.pretrain_epochs} warm-up), batch "
                    f"{rec.batch_size}, lr {rec.lr:g} ({rec.source})")

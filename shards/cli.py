@@ -1,12 +1,13 @@
 """``python -m shards <dataset> SRC --out DIR [options]``: convert a dataset to tar shards.
 
-Subcommands: ``cifar10``, ``cifar100``, ``imagefolder``, ``clothing1m``, ``webvision``.
+Subcommands: ``cifar10``, ``cifar100``, ``imagefolder``, ``csv`` (rows ``path,label``),
+``clothing1m``, ``webvision``.
 Common options: ``--out``, ``--shard-size`` (default 1000), ``--workers`` (default: one
 fewer than the CPUs this process may use, at least 1), ``--no-progress``; for image datasets also ``--resize-short N``
 (``0`` = keep the original bytes), ``--validate verify|decode`` and ``--skip-bad``.
 ``clothing1m`` and ``webvision`` resize to a shorter side of 256 by default (the usual
 preprocessing for these web datasets: ~10x smaller shards, and training crops 224 anyway);
-``imagefolder`` keeps originals by default. ``imagefolder`` (every split) and ``webvision``
+``imagefolder`` and ``csv`` keep originals by default. ``imagefolder``, ``csv`` (every split) and ``webvision``
 (its train split) list images class by class; they write them in a seeded random order
 (``--shuffle-seed``, default 0; ``--keep-order`` for the listed order), so that every shard
 mixes the classes. A rerun with the same options resumes: finished shards are skipped.
@@ -25,7 +26,7 @@ from collections.abc import Callable
 
 from pipeline.core.cli import prog_name
 from pipeline.data.manifest import Manifest
-from shards import cifar, clothing1m, imagefolder, webvision
+from shards import cifar, clothing1m, csvlist, imagefolder, webvision
 from shards.writer import ShardError
 
 WEB_RESIZE_SHORT = 256
@@ -96,6 +97,16 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="keep the first N images of each class of each split (a class-balanced "
                         "subset; default: all)")
 
+    p = sub.add_parser("csv", help="a CSV with columns path,label (optional split, clean); "
+                                    "paths relative to the CSV's folder")
+    _common(p, images=True)
+    p.add_argument("--splits", nargs="+", help="values of the split column to convert "
+                                               "(default: all; rows without one are train)")
+    p.add_argument("--classes", nargs="+", help="class names in label order (default: the "
+                                                "sorted distinct labels)")
+    p.add_argument("--dataset-name", default="csv", help="dataset name in manifests")
+    _order(p, "every split")
+
     p = sub.add_parser("clothing1m", help="Clothing1M (images/ + annotation files)")
     _common(p, images=True, resize_default=WEB_RESIZE_SHORT)
     p.add_argument("--annotations", help="annotation folder (default SRC/annotations or SRC)")
@@ -127,6 +138,10 @@ def _run(args: argparse.Namespace) -> dict[str, Manifest]:
                                    labels_unverified=args.labels_unverified,
                                    dataset=args.dataset_name, per_class=args.per_class,
                                    shuffle_seed=args.shuffle_seed, **common)
+    if args.dataset == "csv":
+        return csvlist.convert(args.src, args.out, splits=args.splits, classes=args.classes,
+                               dataset=args.dataset_name, shuffle_seed=args.shuffle_seed,
+                               **common)
     if args.dataset == "clothing1m":
         return clothing1m.convert(args.src, args.out, annotations=args.annotations,
                                   splits=args.splits, **common)

@@ -94,6 +94,17 @@ SPACES: dict[str, dict[str, Any]] = {
         "lccn.prior_strength": PRIOR_STRENGTH,
         "optim.lr": {"loguniform": [3e-3, 3e-2]},
     },
+    # one's own images (jobs/train.py): the warm-up stays the job's share of the data's
+    # steps; lr around the fine-tuning rate of an ImageNet backbone
+    "train": {
+        "lccn.alpha": ALPHA,
+        "lccn.anneal": {"choice": [True, False]},
+        "lccn.warmup": {"choice": ["anchor", "eq8"]},
+        "lccn.targets": {"choice": ["sample", "posterior"]},
+        "lccn.ramp_epochs": {"choice": [0.0, 1.0, 4.0]},
+        "lccn.prior_strength": PRIOR_STRENGTH,
+        "optim.lr": {"loguniform": [3e-3, 3e-2]},
+    },
     # the paper's alpha ablation alone: the grid, every other setting the job's own
     "alpha": {"lccn.alpha": {"grid": list(PAPER_ALPHAS)}},
 }

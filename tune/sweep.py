@@ -73,7 +73,7 @@ from tune.search_spaces import (
     to_tune,
     with_alpha_grid,
 )
-from tune.trial import JOBS, parse_job_args, run_trial
+from tune.trial import JOBS, parse_job_args, prepare_job_data, run_trial
 
 TRIAL_MEMORY = 256 * 1024**2  # bytes the trial driver reserves (it takes no CPU)
 PARENT_TAG = "sweep_role"  # tag of the parent run ("parent"); children carry mlflow.parentRunId
@@ -417,6 +417,8 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
     name = args.name or f"sweep-{args.job}-{time.strftime('%Y%m%d-%H%M%S')}"
     sweep_dir = (args.sweep_dir or common.default_run_dir("sweep")).expanduser().resolve()
     sweep_dir.mkdir(parents=True, exist_ok=True)
+    for line in prepare_job_data(args.job, job_args, sweep_dir):
+        print(line, flush=True)
     tracking = tracking_uri_of(args, sweep_dir)
     experiment = f"lccn-sweep-{name}"
     exp_path = sweep_dir / "tune" / name

@@ -26,7 +26,8 @@ sys.path.insert(0, str(REPO))
 
 
 JOBS = {"quickstart": "quickstart_ray", "cifar": "cifar_lccn",
-        "clothing1m": "clothing1m_lccn", "webvision": "webvision_divide_lccn"}
+        "clothing1m": "clothing1m_lccn", "webvision": "webvision_divide_lccn",
+        "train": "train"}
 
 
 def job_module(job: str):
@@ -43,6 +44,17 @@ def parse_job_args(job: str, argv: list[str]) -> argparse.Namespace:
     """The options of ``job`` (its ``get_args_parser``) parsed once, by the sweep's driver;
     every trial runs a copy of them (:func:`trial_run`)."""
     return job_module(job).get_args_parser().parse_args(argv)
+
+
+def prepare_job_data(job: str, job_args: argparse.Namespace, sweep_dir: Path) -> list[str]:
+    """A job's data made ready once, by the sweep's driver, before any trial starts: the
+    job's ``prepare_data(args, root)`` where it has one (``jobs/train.py`` converts one's
+    own images under ``sweep_dir/data`` and points ``job_args`` at the shards); nothing
+    for the jobs that read converted shards. Returns the lines to print."""
+    prepare = getattr(job_module(job), "prepare_data", None)
+    if prepare is None or getattr(job_args, "smoke_test", False):
+        return []
+    return prepare(job_args, sweep_dir)
 
 
 def trial_run(config: dict[str, Any], *, job: str, job_args: argparse.Namespace,

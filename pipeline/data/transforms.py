@@ -26,11 +26,17 @@ Presets (``build_transform(name, train=...)``):
                  320, centre crop 227. ImageNet mean/std. Output (3, 227, 227).
 ``digits``       8x8 grayscale (scikit-learn digits), no augmentation: resize to 8x8 (a no-op
                  for 8x8 input), scale to [0, 1]. Output (1, 8, 8).
+``imagenetN``    any size N (e.g. ``imagenet224``, ``imagenet96``): one's own photos with an
+                 ImageNet-style backbone (``jobs/train.py --image-size N``). Train:
+                 random-resized crop N (scale 0.25-1: web photos keep their object), flip;
+                 eval: resize short side round(N / 0.875), centre crop N (the usual
+                 224/256 ratio). ImageNet mean/std. Output (3, N, N).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -141,14 +147,38 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+MIN_IMAGE_SIZE, MAX_IMAGE_SIZE = 8, 1024
+
+
+def imagenet_preset(size: int) -> Preset:
+    """The ``imagenet<size>`` preset: ImageNet-style augmentation and normalisation at
+    ``size`` x ``size`` (``MIN_IMAGE_SIZE``..``MAX_IMAGE_SIZE``)."""
+    if isinstance(size, bool) or not isinstance(size, int) \
+            or not MIN_IMAGE_SIZE <= size <= MAX_IMAGE_SIZE:
+        raise ValueError(f"image size must be an integer in [{MIN_IMAGE_SIZE}, "
+                         f"{MAX_IMAGE_SIZE}], got {size!r}")
+    resize = round(size / 0.875)
+
+    def augment(train: bool) -> list[Callable]:
+        if train:
+            return [v2.RandomResizedCrop(size, scale=(0.25, 1.0), antialias=True),
+                    v2.RandomHorizontalFlip()]
+        return [v2.Resize(resize, antialias=True), v2.CenterCrop(size)]
+
+    return Preset(f"imagenet{size}", "RGB", (3, size, size), augment,
+                  lambda: ScaleNormalize(IMAGENET_MEAN, IMAGENET_STD))
+
+
 def get_preset(name: str) -> Preset:
-    """The ``Preset`` called ``name``; ``ValueError`` listing the known names otherwise."""
-    try:
+    """The ``Preset`` called ``name`` (``imagenetN``: :func:`imagenet_preset` of N);
+    ``ValueError`` listing the known names otherwise."""
+    if name in PRESETS:
         return PRESETS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown transform preset {name!r}; known presets: {', '.join(sorted(PRESETS))}"
-        ) from None
+    m = re.fullmatch(r"imagenet([0-9]+)", name)
+    if m:
+        return imagenet_preset(int(m.group(1)))
+    raise ValueError(f"unknown transform preset {name!r}; known presets: "
+                     f"{', '.join(sorted(PRESETS))}, imagenetN (N = the image size)")
 
 
 def build_sample_transform(preset: str, *, train: bool) -> v2.Compose:
