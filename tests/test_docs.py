@@ -242,3 +242,27 @@ def test_the_kuberay_job_is_a_command_the_job_accepts_and_can_start():
     header = [line.lstrip("# ").split("  #")[0] for line in text.splitlines()
               if line.startswith("#   lccn-")]
     assert header and all(_check_command(shlex.split(cmd)) for cmd in header)
+
+
+def test_the_image_and_the_cluster_put_the_presets_weights_in_place():
+    """infra/Dockerfile and infra/ray-cluster.yaml fetch the weights of every preset that
+    starts from pretrained weights, with a command the project's parser accepts."""
+    import shlex
+    import sys
+
+    import yaml
+
+    sys.path.insert(0, str(REPO / "jobs"))
+    import common
+
+    needed = {p.model for p in [*common.PRESETS.values(), *common.METHOD_PRESETS.values()]
+              if p.pretrained}
+    assert needed == {"resnet50"}
+    docker = [shlex.split(line[4:]) for line in (REPO / "infra" / "Dockerfile").read_text()
+              .splitlines() if line.startswith("RUN python -m pipeline.train.models")]
+    setup = yaml.safe_load((REPO / "infra" / "ray-cluster.yaml").read_text())["setup_commands"]
+    cluster = [shlex.split(c.split("&&")[-1].replace("~/venv/bin/python", "python"))
+               for c in setup if "pipeline.train.models" in c]
+    for cmds in (docker, cluster):
+        assert cmds and all(_check_command(argv) for argv in cmds)
+        assert {argv[4] for argv in cmds if argv[3] == "fetch"} >= needed

@@ -677,6 +677,41 @@ def test_ray_job_submit_webvision_divide_lccn_smoke(ray_head, tmp_path):
     assert abs(sum(result["transition"][0]) - 1) < 1e-9 and result["mlflow_run_id"]
 
 
+@pytest.mark.ray
+def test_ray_job_submit_train_on_an_image_folder(ray_head, cifar10_jpeg_tree, tmp_path):
+    """The own-data path end to end: a plain <class>/<image> folder of real JPEGs and a
+    clean test folder -> jobs/train.py under `ray job submit` (conversion on the driver, 2
+    Ray Train workers, LCCN) -> the logged model predicts the test folder (lccn-predict)."""
+    from test_own_data import make_own_folder
+
+    photos = make_own_folder(cifar10_jpeg_tree, tmp_path / "photos", split="train",
+                             per_class=40)
+    test = make_own_folder(cifar10_jpeg_tree, tmp_path / "photos-test", split="test",
+                           per_class=10)
+    run_dir = tmp_path / "runs"
+    cmd = [str(RAY), "job", "submit", "--address", ray_head["address"], "--working-dir",
+           str(REPO), "--", "python", "jobs/train.py", "--images", str(photos),
+           "--test-images", str(test), "--run-dir", str(run_dir), "--no-pretrained",
+           "--model", "small_cnn", "--image-size", "32", "--epochs", "3",
+           "--pretrain-epochs", "1", "--loader-workers", "0", "--run-name", "own"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=ray_head["env"], timeout=540)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "[train] train: 120 images, 3 classes" in out and "[train] done in" in out, out[-4000:]
+    result = json.loads((run_dir / "results" / "own.json").read_text())
+    assert result["epoch"] == 3 and 0 <= result["metrics"]["test_top1"] <= 1
+    assert "[train] warm-up: " in out  # derived from the data
+
+    from pipeline.track import predict
+
+    preds = tmp_path / "pred.csv"
+    assert predict.main([f"runs:/{result['mlflow_run_id']}/model", str(test), "--out",
+                         str(preds), "--tracking-uri", f"sqlite:///{run_dir / 'mlflow.db'}"]) == 0
+    rows = preds.read_text().splitlines()
+    assert rows[0] == "key,predicted,class,confidence" and len(rows) == 31
+    assert {r.split(",")[2] for r in rows[1:]} <= {"airplane", "cat", "dog"}
+
+
 def test_a_few_images_per_gpu_are_warned_about_with_the_scaled_lr():
     """The Clothing1M recipe's global batch 32 on 8 GPUs is 4 images per GPU: the job says
     so, with the batch and the linearly scaled lr that reach 16 per GPU; one GPU, or CPUs,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -305,3 +307,39 @@ def test_torchvision_models_by_name_with_weights_from_a_file(tmp_path):
         build_model("tv:resnet18", 5, pretrained=True)
     with pytest.raises(ValueError, match="weights= is for timm and torchvision"):
         build_model("small_cnn", 5, weights=str(path))
+
+
+def test_fetch_resnet50_fills_the_torch_hub_cache_the_presets_read(tmp_path, monkeypatch,
+                                                                   capsys):
+    """``python -m pipeline.train.models fetch resnet50`` (what infra/Dockerfile and
+    infra/ray-cluster.yaml run) downloads the presets' weights into $TORCH_HOME's hub cache
+    under their final name only when complete, and ``resnet50(pretrained=True)`` then loads
+    them without the network (the download is a local file here)."""
+    import torchvision
+
+    from pipeline.train import models
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    src = torchvision.models.resnet50()
+    served = tmp_path / "served.pth"
+    torch.save(src.state_dict(), served)
+    calls = []
+
+    def download(url, dst, progress=True):
+        calls.append(url)
+        assert dst.endswith(".partial")
+        Path(dst).write_bytes(served.read_bytes())
+
+    monkeypatch.setattr(torch.hub, "download_url_to_file", download)
+    with pytest.raises(FileNotFoundError, match="python -m pipeline.train.models fetch resnet50"):
+        build_model("resnet50", 14, pretrained=True)
+    assert models.main(["fetch", "resnet50"]) == 0
+    path = Path(capsys.readouterr().out.strip())
+    assert path.parent == tmp_path / "torch" / "hub" / "checkpoints" and path.is_file()
+    assert not list(path.parent.glob("*.partial"))
+    model = build_model("resnet50", 14, pretrained=True)
+    assert model.fc.out_features == 14
+    assert _equal_tensors(src.state_dict(), model.state_dict()) == len(src.state_dict()) - 2
+    assert models.main(["fetch", "resnet50"]) == 0 and len(calls) == 1  # kept, not fetched again
+    assert models.main(["fetch", "small_cnn", "--out", str(tmp_path)]) == 2
+    assert "small_cnn has no pretrained weights" in capsys.readouterr().err

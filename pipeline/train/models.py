@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import operator
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import urlparse
@@ -312,10 +313,10 @@ def resnet50(num_classes: int, *, in_channels: int = 3, pretrained: bool = False
             raise FileNotFoundError(
                 f"resnet50 pretrained=True needs torchvision's ImageNet weights in the local "
                 f"torch hub cache, but {path} does not exist, and this factory does not "
-                f"download at run time. On a machine with internet run "
-                f"`python -c \"import torchvision; torchvision.models.resnet50("
-                f"weights='IMAGENET1K_V1')\"` (or fetch {weights.url}) and copy the file to "
-                f"{path} (set TORCH_HOME to move the cache)."
+                f"download at run time. On a machine with internet run `python -m "
+                f"pipeline.train.models fetch resnet50` (or fetch {weights.url}) and copy the "
+                f"file to {path} (set TORCH_HOME to move the cache; infra/Dockerfile and "
+                f"infra/ray-cluster.yaml put it there)."
             )
         model = tv_resnet50(weights=weights)  # finds the cached file; no network access
         model.fc = nn.Linear(model.fc.in_features, num_classes)
@@ -573,11 +574,34 @@ def count_parameters(model: nn.Module, *, trainable_only: bool = False) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
 
 
-def fetch_weights(name: str, out_dir: str | os.PathLike) -> Path:
+def fetch_resnet50() -> Path:
+    """Put torchvision's ``ResNet50_Weights.IMAGENET1K_V1`` (``resnet50``'s pretrained
+    weights: the clothing1m and own-images presets) in the torch hub cache
+    (``$TORCH_HOME/hub/checkpoints``), where :func:`resnet50` reads them without the
+    network; a file already there is kept. Returns its path."""
+    from torchvision.models import ResNet50_Weights
+
+    url = ResNet50_Weights.IMAGENET1K_V1.url
+    path = _torch_hub_checkpoint(url)
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + ".partial")
+        torch.hub.download_url_to_file(url, str(partial), progress=True)
+        os.replace(partial, path)
+    return path
+
+
+def fetch_weights(name: str, out_dir: str | os.PathLike | None) -> Path:
     """Download the ImageNet weights of backbone ``name`` (a timm or torchvision name, as
     :func:`build_model` takes it) into ``out_dir`` as one file, and return its path: what
-    ``weights=`` (the jobs' ``--weights``) reads on machines without the network."""
+    ``weights=`` (the jobs' ``--weights``) reads on machines without the network. The
+    registry's ``resnet50`` goes to the torch hub cache instead (:func:`fetch_resnet50`;
+    ``out_dir`` is not used: set ``TORCH_HOME`` to choose the cache)."""
     family, model_name = resolve_name(name)
+    if family != "timm" and family != "tv" and model_name == "resnet50":
+        return fetch_resnet50()
+    if out_dir is None:
+        raise ValueError(f"{name}: give the folder for its weights file (--out DIR)")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     safe = model_name.replace("/", "_")
@@ -590,8 +614,8 @@ def fetch_weights(name: str, out_dir: str | os.PathLike) -> Path:
 
         model = torchvision.models.get_model(model_name, weights="DEFAULT")
     else:
-        raise ValueError(f"{name}: fetch is for timm and torchvision backbones (resnet50 reads "
-                         f"the torch hub cache: see build_model)")
+        raise ValueError(f"{name}: fetch is for timm and torchvision backbones and "
+                         f"resnet50; {model_name} has no pretrained weights")
     path = out / f"{family}-{safe}.pth"
     partial = path.with_suffix(".pth.partial")
     torch.save(model.state_dict(), partial)
@@ -606,14 +630,23 @@ def get_args_parser():
                                 description="backbones: fetch pretrained weights into a folder")
     sub = p.add_subparsers(dest="cmd", required=True)
     f = sub.add_parser("fetch", help="download a timm or torchvision model's weights to a file")
-    f.add_argument("name", help="timm:NAME, a bare timm name, or tv:NAME")
-    f.add_argument("--out", required=True, help="folder for the weights file")
+    f.add_argument("name", help="timm:NAME, a bare timm name, or tv:NAME; resnet50 (the "
+                                "presets' backbone) fills the torch hub cache ($TORCH_HOME)")
+    f.add_argument("--out", default=None, help="folder for the weights file (timm and tv)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = get_args_parser().parse_args(argv)
-    print(fetch_weights(args.name, args.out))
+    try:
+        path = fetch_weights(args.name, args.out)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.out is not None and not path.is_relative_to(Path(args.out).resolve()):
+        print(f"note: {args.name} reads the torch hub cache, not --out: set TORCH_HOME to "
+              f"choose it", file=sys.stderr)
+    print(path)
     return 0
 
 
