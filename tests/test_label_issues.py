@@ -17,7 +17,7 @@ import torch
 
 from pipeline.core.confusion import count_matrix, transition
 from pipeline.core.confusion_store import ConfusionStore
-from pipeline.core.posterior import MAX_ENTRIES, STATE_KEY, ReportAccumulator
+from pipeline.core.posterior import STATE_KEY, ReportAccumulator
 from pipeline.core.sampler import gibbs_posterior
 from pipeline.track import label_issues as li
 
@@ -84,10 +84,32 @@ def _acc(**kw):
     return ReportAccumulator(**args)
 
 
+def _two_ranks(accs, batches, epoch):
+    """Every rank's accumulator fed its batches of ``epoch`` and merged with a reduce that
+    sums the ranks' parts, as the all-reduce does."""
+    sinks = [a.sink(epoch) for a in accs]
+    for r, (idx, post) in batches:
+        sinks[r](torch.tensor(idx), torch.tensor(post, dtype=torch.float32))
+    names = ("top_cls", "top_sum", "obs_sum", "out_sum", "count")
+    parts = []
+    for a in accs:  # collect each rank's packed part first, then hand every rank the sum
+        before = {n: getattr(a, n) for n in names}
+        kept = a._part
+        a.merge(lambda t: parts.append(t.clone()) or torch.zeros_like(t))
+        for n, v in before.items():
+            setattr(a, n, v)
+        a._part = kept
+    total = sum(parts)
+    for a in accs:
+        a.end_epoch(epoch, lambda t: total)
+
+
 def test_accumulator_means_over_the_last_epochs_and_ranks_and_round_trips():
+    """Below the size limit every class is kept: the dense sums over the window's epochs
+    and the ranks (the all-reduce adds the other rank's part)."""
     acc = _acc()
     assert [e for e in range(5) if acc.covers(e)] == [3, 4]
-    assert acc.sink(2) is None
+    assert acc.sink(2) is None and acc.exact
     other_rank = {}
 
     def reduce(part):  # a second rank that saw samples 4 and 5 with a one-hot posterior
@@ -111,10 +133,85 @@ def test_accumulator_means_over_the_last_epochs_and_ranks_and_round_trips():
     fresh = _acc()
     fresh.load_state_dict(acc.state_dict())
     assert torch.equal(fresh.sum, acc.sum) and fresh.epochs == [3, 4]
-    # too large a run keeps it off and says why
-    big = _acc(num_samples=MAX_ENTRIES, k_latent=2)
-    assert big.too_large and not big.covers(4)
     assert not _acc(epochs=0).covers(4)
+
+
+def test_top_k_sums_merge_over_ranks_and_round_trip(monkeypatch):
+    """Above the size limit, two ranks, two epochs: the kept classes' sums are the
+    posteriors' sums (here every posterior has mass on two classes only, so nothing falls
+    out), the observed label's sum is exact, and a state round-trips."""
+    from pipeline.core import posterior
+
+    monkeypatch.setattr(posterior, "MAX_ENTRIES", 1)
+    observed = torch.tensor([0, 1, 2, 0, 1, 2])
+    accs = [_acc(observed=observed, topk=2), _acc(observed=observed, topk=2)]
+    assert not accs[0].exact and accs[0].k == 2
+    rng = np.random.default_rng(0)
+    dense = np.zeros((6, 3))
+    for epoch in (3, 4):
+        post = rng.dirichlet(np.ones(3), 6)
+        post[:, 1] = 0.0  # class 1 never has mass: the two kept classes hold all of it
+        post /= post.sum(1, keepdims=True)
+        dense += post
+        order = rng.permutation(6)  # each sample once an epoch, on one of the ranks
+        _two_ranks(accs, [(0, (order[:4].tolist(), post[order[:4]])),
+                          (1, (order[4:].tolist(), post[order[4:]]))], epoch)
+    a = accs[0]
+    assert a.epochs == [3, 4] and a.count.tolist() == [2] * 6 and a.sum is None
+    got = np.zeros((6, 3))
+    np.put_along_axis(got, a.top_cls.long().numpy(), a.top_sum.numpy(), 1)
+    np.testing.assert_allclose(got, dense, rtol=1e-6)
+    np.testing.assert_allclose(a.obs_sum.numpy(), dense[np.arange(6), observed], rtol=1e-6)
+    assert (np.diff(a.top_sum.numpy(), axis=1) <= 0).all()  # largest first
+    fresh = _acc(observed=observed, topk=2)
+    fresh.load_state_dict(a.state_dict())
+    assert torch.equal(fresh.top_sum, a.top_sum) and fresh.epochs == [3, 4]
+    # the same samples from two ranks between two merges breaks an invariant: an error
+    with pytest.raises(RuntimeError, match="sample 1 came from two ranks"):
+        _two_ranks(accs, [(0, ([0, 1], [[1.0, 0, 0], [0, 1.0, 0]])),
+                          (1, ([1], [[0, 0, 1.0]]))], 4)
+
+
+def test_above_the_size_limit_each_sample_keeps_its_top_classes(monkeypatch):
+    """Above MAX_ENTRIES the accumulator keeps the k largest classes of each sample (its
+    memory O(N x k)) and the exact sums of the observed label and the outlier class; the
+    report built from it flags and suggests what the dense sums give."""
+    from pipeline.core import posterior
+
+    monkeypatch.setattr(posterior, "MAX_ENTRIES", 10)
+    n, k_cls, k_lat = 40, 9, 10
+    rng = np.random.default_rng(1)
+    observed = torch.from_numpy(rng.integers(0, k_cls, n))
+    acc = ReportAccumulator(num_samples=n, k_latent=k_lat, num_classes=k_cls, epochs=3,
+                            total_epochs=3, first_noise_epoch=0, alpha=1.0,
+                            observed=observed, topk=3)
+    assert not acc.exact and acc.k == 3
+    truth = rng.integers(0, k_lat, n)
+    dense = np.zeros((n, k_lat))
+    for epoch in range(3):
+        post = rng.dirichlet(np.full(k_lat, 0.3), n)
+        post[np.arange(n), truth] += 2.0
+        post /= post.sum(1, keepdims=True)
+        dense += post
+        sink = acc.sink(epoch)
+        for chunk in np.array_split(rng.permutation(n), 4):
+            sink(torch.from_numpy(chunk), torch.from_numpy(post[chunk]).float())
+        acc.end_epoch(epoch, lambda t: t)
+    assert acc.top_cls.shape == (n, 3) and acc.count.tolist() == [3] * n
+    np.testing.assert_allclose(acc.obs_sum.numpy(), dense[np.arange(n), observed], rtol=1e-5)
+    np.testing.assert_allclose(acc.out_sum.numpy(), dense[:, k_cls], rtol=1e-5)
+    assert (acc.top_cls[:, 0].numpy() == dense.argmax(1)).all()
+    np.testing.assert_allclose(acc.top_sum[:, 0].numpy(), dense.max(1), rtol=1e-5)
+    # the report from the top-k state agrees with the dense posterior's ranking
+    store = ConfusionStore(observed, observed.clamp(max=k_cls - 1), k_lat, k_cls)
+    state = {"store": store.state_dict(), STATE_KEY: acc.state_dict()}
+    rep = li.build_report(state)
+    want = li.rank_mislabelled(dense / 3, observed.numpy(), np.arange(n), num_classes=k_cls)
+    np.testing.assert_allclose(rep.mislabelled.score, want.score, atol=1e-5)
+    assert (rep.mislabelled.flagged == want.flagged).all()
+    indist = truth < k_cls  # an outlier's runner-up class may fall out of the 3 kept
+    assert (rep.mislabelled.suggested == want.suggested)[indist].all() and indist.sum() > 30
+    assert any("kept each sample's 3 largest of 10 classes" in n for n in rep.notes)
 
 
 def _state(tmp_path: Path, *, k: int, outlier: bool, rng: np.random.Generator):
@@ -183,7 +280,21 @@ def test_report_files_and_cli_log_into_a_real_mlflow_store(tmp_path, capsys):
                        ("validation", "mislabelled", "cleanlab")}
     arts = {a.path for a in client.list_artifacts(run_id, "label_issues")}
     assert arts == {f"label_issues/{f}" for f in ("mislabelled.csv", "outliers.csv",
-                                                  "summary.json", "summary.md")}
+                                                  "labels.csv", "summary.json", "summary.md")}
+    # the cleaned labels of every counted training sample, in idx order
+    labels = list(csv.DictReader(open(tmp_path / "rep" / "labels.csv")))
+    assert [int(r["idx"]) for r in labels] == counted.tolist()
+    assert list(labels[0]) == ["idx", "key", "observed", "suggested", "p_suggested",
+                               "p_observed", "p_outlier", "flagged"]
+    assert {int(r["idx"]) for r in labels if r["flagged"] == "1"} == planted
+    for r in labels:
+        i = int(r["idx"])
+        if clean[i] < 3:  # the posterior peaks at the truth: suggested = clean
+            assert r["suggested"] == str(clean[i]) and float(r["p_suggested"]) > 0.9
+            assert float(r["p_observed"]) == pytest.approx(1 / 1.06 if observed[i] == clean[i]
+                                                           else 0.02 / 1.06, abs=1e-3)
+        else:
+            assert float(r["p_outlier"]) > 0.9
     assert client.get_run(run_id).data.metrics["label_issues_rprec_train_mislabelled_lccn"] == 1.0
 
 
@@ -234,7 +345,7 @@ def test_a_real_run_ranks_planted_flips_first_beside_cleanlab(tmp_path):
     assert held["evaluated"] == cl["evaluated"] > 200 and held["issues"] == cl["issues"]
     assert 0.0 <= cl["r_precision"] <= 1.0 and cl["r_precision"] > 0.3
     files = {Path(f).name for f in rep["files"]}
-    assert files == {"mislabelled.csv", "summary.json", "summary.md"}
+    assert files == {"mislabelled.csv", "labels.csv", "summary.json", "summary.md"}
     client = MlflowClient(tracking_uri=summary["tracking_uri"])
     arts = {a.path for a in client.list_artifacts(summary["mlflow_run_id"], "label_issues")}
     assert "label_issues/mislabelled.csv" in arts and "label_issues/summary.md" in arts

@@ -41,15 +41,17 @@ def heldout_predictions(models: Sequence[torch.nn.Module], batches: Iterable[Any
 
 def accumulator_for(run: Any, engine: Any, *, k_latent: int) -> ReportAccumulator:
     """The accumulator of an LCCN method's run (``run.lccn.report_epochs``); says on rank 0
-    when the run's size keeps it off."""
+    when the run's size makes it keep each sample's top classes only."""
     o = run.optim
     acc = ReportAccumulator(num_samples=engine.data.num_samples, k_latent=k_latent,
                             num_classes=engine.num_classes, epochs=run.lccn.report_epochs,
                             total_epochs=o.epochs, first_noise_epoch=o.pretrain_epochs,
-                            alpha=run.lccn.alpha)
-    if acc.too_large and engine.session.rank == 0:
-        print(f"label-issue report off: N x K_latent = {engine.data.num_samples} x "
-              f"{k_latent} posteriors exceed {MAX_ENTRIES:,} entries", flush=True)
+                            alpha=run.lccn.alpha,
+                            observed=getattr(engine.data, "observed", None))
+    if not acc.exact and acc.enabled and engine.session.rank == 0:
+        print(f"label-issue report: N x K_latent = {engine.data.num_samples:,} x {k_latent} "
+              f"is above {MAX_ENTRIES:,}: each sample keeps its {acc.k} largest classes "
+              f"(the scores stay exact)", flush=True)
     return acc
 
 
