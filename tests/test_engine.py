@@ -143,7 +143,7 @@ def test_update_average_follows_a_replaced_average_or_model():
 def test_norm_weight_decay_leaves_the_normalisation_layers_out_of_the_penalty():
     """OptimConfig.norm_weight_decay: one parameter group (the old optimiser state layout)
     unless it differs from weight_decay; then a step with zero gradients shrinks the other
-    weights by lr x weight_decay and the batch-norm scale and shift by lr x
+    weights by lr x weight_decay and the batch-norm scale and shift and the biases by lr x
     norm_weight_decay."""
     from pipeline.train.members import param_groups
     from pipeline.train.models import build_model
@@ -154,6 +154,9 @@ def test_norm_weight_decay_leaves_the_normalisation_layers_out_of_the_penalty():
     assert [g["weight_decay"] for g in groups] == [0.5, 0.0]
     norm_ids = {id(p) for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)
                 for p in m.parameters()}
+    bias_ids = {id(p) for n, p in model.named_parameters() if n.endswith(".bias")}
+    assert bias_ids - norm_ids  # the classifier's bias: out of the penalty too
+    norm_ids |= bias_ids
     assert {id(p) for p in groups[1]["params"]} == norm_ids and norm_ids
     assert len(groups[0]["params"]) + len(groups[1]["params"]) == len(list(model.parameters()))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -288,13 +288,15 @@ class OptimConfig:
         batch 128 (391 steps an epoch), 0.999 ~1,000 steps (2.6 epochs); pick it from the
         steps of the phase to be averaged, e.g. ``1 - 1 / (steps_per_epoch x epochs)``.
     norm_weight_decay: the weight decay of the normalisation layers' parameters (batch-norm
-        scale and shift, and those of group-, layer- and instance-norm); None (default):
-        ``weight_decay``, as every other parameter. The paper's CIFAR code leaves them out of
-        its L2 penalty (0.0), as do many CIFAR and ImageNet recipes: these few parameters
-        set each channel's scale and offset directly, and decaying them pulls every channel
-        toward zero output rather than regularising what the network computes. A resumed run
-        must keep the value it was started with (the checkpoint's optimiser state holds the
-        groups).
+        scale and shift, and those of group-, layer- and instance-norm) and of every bias;
+        None (default): ``weight_decay``, as every other parameter. The paper's CIFAR code
+        leaves them out of its L2 penalty (0.0), as do many CIFAR and ImageNet recipes:
+        these few parameters set each channel's scale and offset directly, and decaying them
+        pulls every channel toward zero output rather than regularising what the network
+        computes. The jobs' presets set 0.0 (DivideMix's own recipes keep its authors'
+        single penalty); measured on the CPU protocol it moved CE by less than the seed
+        noise (benchmarks/results/cifar.md, "The base recipe"). A resumed run must keep the
+        value it was started with (the checkpoint's optimiser state holds the groups).
     """
 
     epochs: int = 30

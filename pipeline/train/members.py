@@ -76,13 +76,14 @@ _NORM_LAYERS = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm,
 def param_groups(model: nn.Module, weight_decay: float,
                  norm_weight_decay: float | None = None) -> list[dict[str, Any]]:
     """The optimiser's parameter groups: one (every parameter at ``weight_decay``) unless
-    ``norm_weight_decay`` differs, then the normalisation layers' parameters
+    ``norm_weight_decay`` differs, then the normalisation layers' parameters and every bias
     (:attr:`OptimConfig.norm_weight_decay`) in a second group after the others."""
     params = list(model.parameters())
     if norm_weight_decay is None or norm_weight_decay == weight_decay:
         return [{"params": params}]
     norm = {id(p) for m in model.modules() if isinstance(m, _NORM_LAYERS)
             for p in m.parameters(recurse=False)}
+    norm |= {id(p) for name, p in model.named_parameters() if name.rsplit(".", 1)[-1] == "bias"}
     groups = [{"params": [p for p in params if id(p) not in norm], "weight_decay": weight_decay},
               {"params": [p for p in params if id(p) in norm],
                "weight_decay": norm_weight_decay}]
