@@ -26,6 +26,16 @@
 #                            e.g. "mlflow.lccn.svc.cluster.local:*" for a Kubernetes Service
 #                            name. A DNS-rebinding check of the Host header, not access
 #                            control: firewall the port, or use --auth
+#   --auth                   [MLFLOW_AUTH=1]  MLflow's basic authentication (mlflow server
+#                            --app-name basic-auth): every request needs a user and password.
+#                            The admin is MLFLOW_AUTH_ADMIN (default admin) with the password
+#                            in the file MLFLOW_AUTH_ADMIN_PASSWORD_FILE, or in
+#                            MLFLOW_AUTH_ADMIN_PASSWORD, else one generated on the first start;
+#                            kept in $MLFLOW_HOME/auth/admin_password (mode 600), never on a
+#                            command line. (MLflow keeps the first start's admin password.) Clients (the jobs, their Ray workers) pass
+#                            MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD, or hold
+#                            ~/.mlflow/credentials; other users are made with MLflow's
+#                            auth REST API (infra/README.md)
 #   --port N                 [MLFLOW_PORT]  default 5000
 #   --workers N              [MLFLOW_WORKERS]  uvicorn workers, default 2
 #   --home DIR               [MLFLOW_HOME]  default ~/.lccn/mlflow-server (db, artifacts, log,
@@ -47,6 +57,7 @@ ARTIFACTS="${MLFLOW_ARTIFACTS:-}"
 SERVE=1
 FOREGROUND=0
 STOP=0
+AUTH="${MLFLOW_AUTH:-0}"
 
 die() { echo "mlflow-server.sh: $*" >&2; exit 1; }
 
@@ -62,8 +73,9 @@ while [ $# -gt 0 ]; do
     --home) HOME_DIR="${2:?--home needs a value}"; shift 2 ;;
     --timeout) TIMEOUT="${2:?--timeout needs a value}"; shift 2 ;;
     --foreground) FOREGROUND=1; shift ;;
+    --auth) AUTH=1; shift ;;
     --stop) STOP=1; shift ;;
-    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,40p' "$0"; exit 0 ;;
     *) die "unknown argument '$1' (see --help)" ;;
   esac
 done
@@ -120,6 +132,41 @@ if [ -n "${MLFLOW_ALLOWED_HOSTS:-}" ]; then
   export MLFLOW_SERVER_ALLOWED_HOSTS="$defaults,$MLFLOW_ALLOWED_HOSTS"
 fi
 
+# basic authentication: the admin's password in a file of this home only (mode 600), the
+# server's auth config (which must hold it) likewise; nothing secret on a command line
+if [ "$AUTH" = 1 ]; then
+  AUTH_DIR="$HOME_DIR/auth"
+  (umask 077; mkdir -p "$AUTH_DIR")
+  ADMIN="${MLFLOW_AUTH_ADMIN:-admin}"
+  if [ -n "${MLFLOW_AUTH_ADMIN_PASSWORD_FILE:-}" ]; then
+    [ -s "$MLFLOW_AUTH_ADMIN_PASSWORD_FILE" ] || die "MLFLOW_AUTH_ADMIN_PASSWORD_FILE=$MLFLOW_AUTH_ADMIN_PASSWORD_FILE: no such file, or empty"
+    (umask 077; head -n 1 "$MLFLOW_AUTH_ADMIN_PASSWORD_FILE" > "$AUTH_DIR/admin_password")
+  elif [ -n "${MLFLOW_AUTH_ADMIN_PASSWORD:-}" ]; then
+    (umask 077; printf '%s\n' "$MLFLOW_AUTH_ADMIN_PASSWORD" > "$AUTH_DIR/admin_password")
+  elif [ ! -s "$AUTH_DIR/admin_password" ]; then
+    (umask 077; "$MLFLOW_PYTHON" -c 'import secrets; print(secrets.token_urlsafe(18))' > "$AUTH_DIR/admin_password") \
+      || die "cannot generate the admin password with $MLFLOW_PYTHON"
+  fi
+  (umask 077; "$MLFLOW_PYTHON" - "$AUTH_DIR" "$ADMIN" > "$AUTH_DIR/basic_auth.ini" <<'PY'
+import sys
+d, admin = sys.argv[1], sys.argv[2]
+password = open(f"{d}/admin_password").read().strip()
+print("[mlflow]\ndefault_permission = READ\n"
+      f"database_uri = sqlite:///{d}/basic_auth.db\n"
+      f"admin_username = {admin}\nadmin_password = {password}\n"
+      "authorization_function = mlflow.server.auth:authenticate_request_basic_auth")
+PY
+  ) || die "cannot write $AUTH_DIR/basic_auth.ini"
+  export MLFLOW_AUTH_CONFIG_PATH="$AUTH_DIR/basic_auth.ini"
+  # the key of the server's CSRF tokens (MLflow requires a fixed one), kept beside them
+  if [ -z "${MLFLOW_FLASK_SERVER_SECRET_KEY:-}" ]; then
+    [ -s "$AUTH_DIR/secret_key" ] || (umask 077; "$MLFLOW_PYTHON" -c 'import secrets; print(secrets.token_hex(32))' > "$AUTH_DIR/secret_key")
+    MLFLOW_FLASK_SERVER_SECRET_KEY="$(cat "$AUTH_DIR/secret_key")"
+    export MLFLOW_FLASK_SERVER_SECRET_KEY
+  fi
+  args+=(--app-name basic-auth)
+fi
+
 # MLflow's background job runner (GenAI evaluation jobs) is not used by these pipelines; it
 # adds ~7 processes and ~15 s to the start-up. Export it as true to keep it.
 export MLFLOW_SERVER_ENABLE_JOB_EXECUTION="${MLFLOW_SERVER_ENABLE_JOB_EXECUTION:-false}"
@@ -160,5 +207,11 @@ mlflow-server.sh: serving at $URI (pid $(cat "$PID_FILE"), log $LOG_FILE)
   artifacts:     $ARTIFACTS ($( [ "$SERVE" = 1 ] && echo proxied by the server || echo written by clients ))
   stop with:     $0 --home $HOME_DIR --stop
 EOF
+if [ "$AUTH" = 1 ]; then
+  cat >&2 <<EOF
+  basic auth:    on; admin user '$ADMIN', password in $AUTH_DIR/admin_password. Clients:
+                 export MLFLOW_TRACKING_USERNAME=$ADMIN MLFLOW_TRACKING_PASSWORD="\$(cat $AUTH_DIR/admin_password)"
+EOF
+fi
 # the only line on stdout, so that  eval "$(infra/mlflow-server.sh)"  sets it
 echo "export MLFLOW_TRACKING_URI=$URI"

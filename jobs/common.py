@@ -52,7 +52,11 @@ from pipeline.core.options import (
 from pipeline.data.manifest import Manifest
 from pipeline.data.stream import check_label_view, check_splits
 from pipeline.dist.worker import DistConfig
-from pipeline.track.tracking import add_tracking_options, tracking_uri_of
+from pipeline.track.tracking import (
+    add_tracking_options,
+    tracking_access_problem,
+    tracking_uri_of,
+)
 from pipeline.track.uris import redact_uri
 from pipeline.train.methods import get_method, registered
 
@@ -789,7 +793,7 @@ def run_job(args: argparse.Namespace, *, job: str, run: RunConfig, dist: DistCon
     from pipeline.dist.ray_train import fit_distributed
     from pipeline.train.checkpoints import resume_problem
 
-    problem = resume_problem(run, dist)
+    problem = resume_problem(run, dist) or tracking_access_problem(dist.tracking_uri)
     if problem:
         raise SystemExit(f"error: {problem}")
     if run.lccn.use_trusted and not view.trusted.any():

@@ -266,3 +266,38 @@ def test_the_image_and_the_cluster_put_the_presets_weights_in_place():
     for cmds in (docker, cluster):
         assert cmds and all(_check_command(argv) for argv in cmds)
         assert {argv[4] for argv in cmds if argv[3] == "fetch"} >= needed
+
+
+def test_both_cluster_configs_start_locked_down():
+    """Ray token auth and MLflow basic auth in infra/ray-cluster.yaml (the token and the
+    credentials mounted on every node, RAY_AUTH_MODE=token on every `ray start`, the server
+    started with --auth from a password file) and in infra/kuberay-rayjob.yaml
+    (authOptions, the credentials from a Secret on the head and the workers); the README's
+    local cluster turns token auth on before `ray start`."""
+    import yaml
+
+    c = yaml.safe_load((REPO / "infra" / "ray-cluster.yaml").read_text())
+    assert c["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    assert "~/.lccn/mlflow" in c["file_mounts"]
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        starts = [cmd for cmd in c[key] if "ray start" in cmd]
+        assert starts and all("RAY_AUTH_MODE=token" in cmd for cmd in starts), key
+    server = [cmd for cmd in c["head_setup_commands"]
+              if "mlflow-server.sh" in cmd and "--stop" not in cmd]
+    assert server and all("--auth" in cmd and "MLFLOW_AUTH_ADMIN_PASSWORD_FILE=" in cmd
+                          for cmd in server)
+    assert any("~/.mlflow/credentials" in cmd for cmd in c["setup_commands"])
+    k = yaml.safe_load((REPO / "infra" / "kuberay-rayjob.yaml").read_text())
+    spec = k["spec"]["rayClusterSpec"]
+    assert spec["authOptions"] == {"mode": "token"}
+    pods = [spec["headGroupSpec"]] + spec["workerGroupSpecs"]
+    for pod in pods:
+        for container in pod["template"]["spec"]["containers"]:
+            env = {e["name"]: e for e in container.get("env", [])}
+            for var in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+                assert env[var]["valueFrom"]["secretKeyRef"]["name"] == "mlflow-credentials"
+    readme = (REPO / "README.md").read_text()
+    assert readme.index("export RAY_AUTH_MODE=token") < readme.index("ray start --head")
+    assert 'eval "$(infra/mlflow-server.sh --auth)"' in readme
+    script = (REPO / "infra" / "mlflow-server.sh").read_text()
+    assert "--auth) AUTH=1" in script and "MLFLOW_AUTH_ADMIN_PASSWORD_FILE" in script

@@ -30,6 +30,7 @@ from pipeline.track.tracking import (
     Tracker,
     default_tracking_uri,
     flatten_params,
+    tracking_access_problem,
     write_transition_csv,
 )
 
@@ -416,3 +417,82 @@ def test_mlflow_server_script_admits_the_documented_addresses(tmp_path, extra):
     for host in hosts:
         assert is_allowed_host_header(allowed, host), (host, allowed)
     assert not is_allowed_host_header(allowed, "evil.example.com:5000")
+
+
+def test_mlflow_server_script_with_basic_auth_and_a_job_that_says_what_to_set(tmp_path,
+                                                                              monkeypatch):
+    """``infra/mlflow-server.sh --auth`` starts MLflow's basic-auth server: a request
+    without credentials gets 401, the admin's (from the mode-600 file it generated, passed
+    as MLflow's environment variables) log a run; the password is on no command line and
+    in no output. A job pointed at the server without credentials stops before Ray starts,
+    naming the variables to set."""
+    home = tmp_path / "home"
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("MLFLOW_TRACKING_", "MLFLOW_AUTH"))}
+    env["MLFLOW_PYTHON"] = sys.executable
+    script = Path(__file__).resolve().parents[1] / "infra" / "mlflow-server.sh"
+    done = subprocess.run(["bash", str(script), "--home", str(home), "--port", str(port),
+                           "--workers", "1", "--auth"], capture_output=True, text=True,
+                          env=env, timeout=180)
+    try:
+        assert done.returncode == 0, done.stderr[-3000:]
+        uri = f"http://127.0.0.1:{port}"
+        assert done.stdout.strip() == f"export MLFLOW_TRACKING_URI={uri}"
+        pw_file = home / "auth" / "admin_password"
+        password = pw_file.read_text().strip()
+        assert len(password) >= 20 and (pw_file.stat().st_mode & 0o077) == 0
+        assert ((home / "auth" / "basic_auth.ini").stat().st_mode & 0o077) == 0
+        assert password not in done.stdout + done.stderr
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                assert password.encode() not in cmdline.read_bytes(), cmdline
+            except OSError:
+                continue
+        for key in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD",
+                    "MLFLOW_TRACKING_TOKEN"):
+            monkeypatch.delenv(key, raising=False)
+        monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.mlflow/credentials of the machine
+        with pytest.raises(Exception, match="401"):
+            MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+        problem = tracking_access_problem(uri)
+        assert problem and "HTTP 401" in problem and "MLFLOW_TRACKING_USERNAME" in problem
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "jobs"))
+        import cifar_lccn
+        import common
+
+        args = cifar_lccn.get_args_parser().parse_args(
+            ["--smoke-test", "--run-dir", str(tmp_path / "runs"), "--tracking-uri", uri])
+        jr = cifar_lccn.prepare_run(args)
+        with pytest.raises(SystemExit, match="refused no credentials .*MLFLOW_TRACKING_"):
+            common.run_job(args, job=cifar_lccn.JOB, run=jr.run, dist=jr.dist, view=jr.view)
+
+        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "admin")
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", password)
+        assert tracking_access_problem(uri) is None
+        tracker = Tracker(tracking_uri=uri, experiment="auth", run_name="r")
+        run_id = tracker.start({"a": 1})
+        tracker.log_metrics({"m": 0.5}, step=0)
+        tracker.end()
+        assert MlflowClient(tracking_uri=uri).get_run(run_id).data.metrics["m"] == 0.5
+    finally:
+        subprocess.run(["bash", str(script), "--home", str(home), "--stop"],
+                       capture_output=True, env=env, timeout=60)
+
+
+def test_mlflow_server_script_reads_the_admin_password_from_a_file(tmp_path):
+    """--auth with MLFLOW_AUTH_ADMIN_PASSWORD_FILE (what infra/ray-cluster.yaml passes):
+    the server gets the basic-auth app and its config file, the password only in files of
+    mode 600, on no command line and in no output."""
+    secret = tmp_path / "pw"
+    secret.write_text("file-secret-0123456789\n")
+    done, lines = _server_script(tmp_path, "--auth",
+                                 MLFLOW_AUTH_ADMIN_PASSWORD_FILE=str(secret))
+    assert "--app-name basic-auth" in lines[0] and "file-secret" not in lines[0]
+    auth = tmp_path / "home" / "auth"
+    assert (auth / "admin_password").read_text().strip() == "file-secret-0123456789"
+    assert "admin_password = file-secret-0123456789" in (auth / "basic_auth.ini").read_text()
+    for f in ("admin_password", "basic_auth.ini", "secret_key"):
+        assert (auth / f).stat().st_mode & 0o077 == 0, f
+    assert "file-secret" not in done.stdout + done.stderr

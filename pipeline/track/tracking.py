@@ -53,7 +53,7 @@ from pipeline.track import plots
 from pipeline.track.uris import redact_args, redact_uri
 
 __all__ = ["Tracker", "default_tracking_uri", "flatten_params", "redact_args", "redact_uri",
-           "write_transition_csv"]
+           "tracking_access_problem", "write_transition_csv"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,57 @@ def default_tracking_uri(run_dir: str | os.PathLike) -> str:
     if env:
         return env
     return f"sqlite:///{Path(run_dir).resolve() / 'mlflow.db'}"
+
+
+AUTH_HELP = ("set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
+             "MLFLOW_TRACKING_TOKEN, or ~/.mlflow/credentials), on every node of a cluster "
+             "too: the Ray workers log the run (infra/README.md)")
+
+
+def tracking_access_problem(uri: str | None, *, timeout: float = 5.0) -> str | None:
+    """One line when the tracking server at ``uri`` (http or https) refuses this process's
+    credentials (HTTP 401 or 403 on a search of one experiment, with the basic or bearer
+    credentials MLflow's client would send from its environment); None otherwise, also
+    when the server does not answer (MLflow's own retries and errors handle that)."""
+    if not uri or not uri.startswith(("http://", "https://")):
+        return None
+    import base64
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    parts = urllib.parse.urlsplit(uri)
+    user = os.environ.get("MLFLOW_TRACKING_USERNAME") or parts.username
+    password = os.environ.get("MLFLOW_TRACKING_PASSWORD") or parts.password
+    if not user:
+        try:
+            from mlflow.utils.credentials import read_mlflow_creds
+
+            creds = read_mlflow_creds()
+            user, password = creds.username, creds.password
+        except Exception:  # noqa: BLE001 - an unreadable credentials file: send none
+            pass
+    host = parts.hostname or ""
+    netloc = host + (f":{parts.port}" if parts.port else "")
+    url = urllib.parse.urlunsplit((parts.scheme, netloc, parts.path.rstrip("/") +
+                                   "/api/2.0/mlflow/experiments/search", "max_results=1", ""))
+    req = urllib.request.Request(url)
+    if os.environ.get("MLFLOW_TRACKING_TOKEN"):
+        req.add_header("Authorization", f"Bearer {os.environ['MLFLOW_TRACKING_TOKEN']}")
+    elif user:
+        token = base64.b64encode(f"{user}:{password or ''}".encode()).decode()
+        req.add_header("Authorization", f"Basic {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout):
+            return None
+    except urllib.error.HTTPError as e:
+        if e.code in (401, 403):
+            who = f"user {user!r}" if user else "no credentials"
+            return (f"the MLflow server at {redact_uri(uri)} refused {who} (HTTP {e.code}): "
+                    f"{AUTH_HELP}")
+        return None
+    except (OSError, ValueError):
+        return None
 
 
 def add_tracking_options(parser: Any, *, store: str) -> None:
