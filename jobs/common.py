@@ -334,6 +334,10 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
     g.add_argument("--progress-seconds", type=float, default=60.0,
                    help="inside an epoch, a progress line (images/s, the epoch's ETA) every "
                         "this many seconds; a bar on a terminal; 0: per-epoch lines only")
+    g.add_argument("--export-model", action=argparse.BooleanOptionalAction, default=True,
+                   help="at the end, write the classifier as a torch.export program "
+                        "<run-dir>/results/<run>-model.pt2 (with a .json of its preset and "
+                        "classes; lccn-predict reads it); off with --smoke-test")
     g.add_argument("--max-failures", type=int, default=1,
                    help="worker-group restarts from the last checkpoint before giving up")
     add_tracking_options(g, store="<run-dir>")
@@ -567,6 +571,7 @@ def dist_config(args: argparse.Namespace, *, run_name: str, train: str, test: st
         class_names=tuple(class_names), inject_failure=args.inject_failure,
         verify_checksums=args.verify_checksums, s3_endpoint_url=args.s3_endpoint_url,
         sync_bn=getattr(args, "sync_bn", False),
+        export_model=bool(getattr(args, "export_model", True)) and not args.smoke_test,
         init_from=_init_from(args, run_dir / "train" / run_name),
         progress_seconds=args.progress_seconds)
 
@@ -865,6 +870,11 @@ def run_job(args: argparse.Namespace, *, job: str, run: RunConfig, dist: DistCon
         summary["files"][name] = str(path)
         print(f"[{job}] {name}: {path}" + (f" ({_flagged(text)})" if name.startswith("outliers")
                                            else ""), flush=True)
+    exported = out_dir / f"{dist.run_name}-model.pt2"
+    if dist.export_model and exported.is_file():
+        summary["files"]["model"] = str(exported)
+        print(f"[{job}] model: {exported} (torch.export; `lccn-predict {exported} IMAGES "
+              f"--out predictions.csv`)", flush=True)
     (out_dir / f"{dist.run_name}.json").write_text(
         json.dumps(json_safe(summary), indent=1, default=str, allow_nan=False))
     return summary

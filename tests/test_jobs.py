@@ -715,6 +715,16 @@ def test_ray_job_submit_train_on_an_image_folder(ray_head, cifar10_jpeg_tree, tm
     rows = preds.read_text().splitlines()
     assert rows[0] == "key,predicted,class,confidence" and len(rows) == 31
     assert {r.split(",")[2] for r in rows[1:]} <= {"airplane", "cat", "dog"}
+    # the same classifier as a torch.export program beside the results: the same predictions
+    exported = run_dir / "results" / "own-model.pt2"
+    assert result["files"]["model"] == str(exported) and exported.is_file()
+    assert json.loads(exported.with_suffix(".json").read_text())["class_names"] == \
+        ["airplane", "cat", "dog"]
+    again = tmp_path / "pred2.csv"
+    assert predict.main([str(exported), str(test), "--out", str(again)]) == 0
+    for a, b in zip(rows[1:], again.read_text().splitlines()[1:]):
+        assert a.split(",")[:3] == b.split(",")[:3]
+        assert abs(float(a.split(",")[3]) - float(b.split(",")[3])) < 1e-4
 
 
 def test_a_few_images_per_gpu_are_warned_about_with_the_scaled_lr():

@@ -112,3 +112,37 @@ def test_bad_input_is_one_line_naming_it_and_leaves_no_csv(photos, logged, tmp_p
     assert main(["runs:/0123456789abcdef/model", str(photos), "--out", str(out),
                  "--tracking-uri", uri]) == 1
     assert "cannot load the model" in capsys.readouterr().err
+
+
+def test_the_exported_program_predicts_as_the_model_without_the_training_hooks(photos,
+                                                                              tmp_path):
+    """export_program writes a torch.export file (any batch size) and its sidecar; the
+    training run's forward hooks (its divergence check) are left behind by Predictor, and
+    lccn-predict reads the .pt2 with the preset and class names it records."""
+    from pipeline.train.export import ExportedClassifier, export_program
+
+    torch.manual_seed(1)
+    net = build_model("small_cnn", 2)
+    calls = []
+    net.register_forward_hook(lambda m, a, out: calls.append(1))  # as the training run's
+    model = Predictor([net], 2, preset="cifar", class_names=CLASSES)
+    path = export_program(model, torch.randn(2, 3, 32, 32), tmp_path / "r-model.pt2")
+    assert path.is_file() and not list(tmp_path.glob("*partial*"))
+    loaded = ExportedClassifier(path)
+    assert (loaded.preset, loaded.class_names, loaded.takes_uint8) == ("cifar", CLASSES, False)
+    x = torch.randn(5, 3, 32, 32)
+    torch.testing.assert_close(loaded(x), model(x))
+    assert not calls  # neither the copy nor the program runs the hook
+    out = tmp_path / "p.csv"
+    assert main([str(path), str(photos), "--out", str(out)]) == 0
+    rows = _rows(out)
+    transform = build_transform("cifar", train=False)
+    with torch.no_grad():
+        for r in rows:
+            img = Image.open(photos / r["key"]).convert("RGB")
+            p = model(transform(img).unsqueeze(0))[0]
+            assert int(r["predicted"]) == int(p.argmax()) and r["class"] in CLASSES
+            assert float(r["confidence"]) == pytest.approx(float(p.max()), abs=1e-5)
+    (tmp_path / "r-model.json").unlink()
+    with pytest.raises(FileNotFoundError, match="sidecar is missing"):
+        ExportedClassifier(path)

@@ -109,6 +109,8 @@ class DistConfig:
     sync_bn: batch-norm statistics over the global batch (``torch.nn.SyncBatchNorm``)
         instead of each GPU's share of it; for small per-GPU batches. GPU workers only
         (SyncBatchNorm has no CPU kernel).
+    export_model: rank 0 writes the classifier as a ``torch.export`` program to
+        ``<run_dir>/results/<run_name>-model.pt2`` (and its ``.json``) at the run's end.
     """
 
     run_name: str
@@ -134,6 +136,7 @@ class DistConfig:
     progress_seconds: float = 60.0
     mlflow_tags: tuple[tuple[str, str], ...] = ()
     sync_bn: bool = False
+    export_model: bool = False
 
     def __post_init__(self) -> None:
         for name in ("lr_values", "class_names"):
@@ -276,7 +279,9 @@ def run_worker(run: RunConfig, dist: DistConfig, view: LabelView, store: Any,
                             tracking=tracking, after_step=lambda step: failures(step, stores[0]),
                             normalize=build_batch_transform(dist.preset) if cuda else None,
                             sample_keys=keys, init_from=dist.init_from,
-                            progress_seconds=dist.progress_seconds, preset=dist.preset)
+                            progress_seconds=dist.progress_seconds, preset=dist.preset,
+                            export_path=(f"{dist.run_dir}/results/{dist.run_name}-model.pt2"
+                                         if dist.export_model else None))
     return Engine(run, session, data, chain=chain, options=options).fit()
 
 

@@ -4,7 +4,9 @@ class, its name and the confidence (the predicted class's probability).
 The classifier is the MLflow model a tracked run logs at its end
 (:class:`pipeline.train.export.Predictor`: every network, the K classes' probabilities,
 the run's transform preset and class names): a ``runs:/<run id>/model`` or ``models:/``
-URI of the tracking server, or the model's folder on disk. The images are a folder
+URI of the tracking server, the model's folder on disk, or the ``torch.export`` program a
+job writes beside its results (``<run-dir>/results/<run>-model.pt2`` and its ``.json``
+sidecar: no MLflow needed). The images are a folder
 (recursively), a CSV with a ``path`` column, or a converted split
 (:mod:`pipeline.data.images`), transformed as the run's evaluation images were (the
 preset's eval geometry and normalisation).
@@ -14,6 +16,7 @@ Usage::
     lccn-predict runs:/<run id>/model ~/my_photos --out predictions.csv \\
         --tracking-uri http://mlflow.example:5000
     lccn-predict ./downloaded_model new_images.csv --out predictions.csv --preset clothing1m
+    lccn-predict ~/lccn_runs/train/results/RUN-model.pt2 ~/my_photos --out predictions.csv
 
 The CSV appears only when every image was predicted (written beside, then renamed).
 """
@@ -40,13 +43,19 @@ HEADER = ("key", "predicted", "class", "confidence")
 
 
 def load_classifier(uri: str, *, tracking_uri: str | None = None) -> Any:
-    """The logged classifier at ``uri`` (a folder on disk or an MLflow model URI), on the
-    CPU in eval mode. ``tracking_uri``: the server or store ``runs:/`` and ``models:/``
+    """The logged classifier at ``uri`` (a folder on disk, an MLflow model URI, or the
+    run's exported ``.pt2`` program with its sidecar), on the CPU in eval mode. ``tracking_uri``: the server or store ``runs:/`` and ``models:/``
     resolve against (default ``$MLFLOW_TRACKING_URI``)."""
     import mlflow.artifacts
     import mlflow.pytorch
 
     local = Path(uri).expanduser()
+    if local.suffix == ".pt2":  # the run's exported program (results/<run>-model.pt2)
+        from pipeline.train.export import ExportedClassifier
+
+        if not local.is_file():
+            raise FileNotFoundError(f"{local}: no such file")
+        return ExportedClassifier(local).eval()
     with tempfile.TemporaryDirectory(prefix="lccn-predict-") as tmp:
         try:
             if not local.exists():  # fetched through the given store, no global MLflow state
@@ -71,7 +80,7 @@ def predict(model: Any, images: Iterable[tuple[str, Any]], *, preset: str,
     itself (a run normalised on the device), else normalised floats."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    on_model = getattr(model, "normalize", None) is not None
+    on_model = getattr(model, "takes_uint8", getattr(model, "normalize", None) is not None)
     transform = (build_sample_transform(preset, train=False) if on_model
                  else build_transform(preset, train=False))
     keys: list[str] = []
@@ -124,8 +133,9 @@ def write_predictions(rows: Iterable[tuple[str, int, float]], out: str | os.Path
 
 def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lccn-predict", description=__doc__.split("\n\n")[0])
-    p.add_argument("model", help="runs:/<run id>/model, models:/<name>/<version>, or the "
-                                 "model's folder")
+    p.add_argument("model", help="runs:/<run id>/model, models:/<name>/<version>, the "
+                                 "model's folder, or the run's exported program "
+                                 "(<run-dir>/results/<run>-model.pt2)")
     p.add_argument("images", type=Path, help="a folder of images (recursively), a CSV with a "
                                              "'path' column, or a converted split folder")
     p.add_argument("--out", type=Path, required=True, help="the CSV to write")

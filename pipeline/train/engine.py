@@ -146,6 +146,9 @@ class EngineOptions:
     # the transform preset of the run's images (pipeline.data.transforms), recorded in the
     # exported classifier (Predictor.preset); None for in-memory data
     preset: str | None = None
+    # the run's end also writes the classifier as a torch.export program to this file
+    # (rank 0; pipeline.train.export.export_program: a .pt2 and its .json); None: not
+    export_path: str | None = None
 
 
 _REDUCED = ("loss", "label_recovery", "changed", "staleness", "gamma", "step_time",
@@ -200,6 +203,7 @@ class Engine:
         self.global_step = 0
         self.run_id: str | None = None
         self.model_uri: str | None = None  # the logged classifier (rank 0, tracked runs)
+        self._exported = False  # the torch.export file written (options.export_path)
         self.tracker = None
         self._prepared = False
 
@@ -575,6 +579,30 @@ class Engine:
             # tracked once the checkpoint is registered: a group restarted before it re-runs
             # the epoch and logs that run's figures, never two sets for one step
             self._track(epoch, batch, metrics, chain_state, final=final, checkpoint_dir=tmp)
+        if final:
+            self._export()
+
+    def _export(self) -> None:
+        """Rank 0 at the run's end: the classifier as a ``torch.export`` program at
+        ``options.export_path`` (a model that does not export is a warning, not a failed
+        run)."""
+        path = self.options.export_path
+        if not path or self._exported:
+            return
+        self._exported = True
+        example = self._example_images()
+        if example is None:
+            print(f"note: no exported model at {path}: no test or validation images to "
+                  f"trace it with", flush=True)
+            return
+        try:
+            from pipeline.train.export import export_program
+
+            export_program(self.predictor(), example, path)
+        except Exception as e:  # noqa: BLE001 - torch.export refuses some models
+            print(f"warning: the classifier could not be exported to {path} "
+                  f"({type(e).__name__}: {str(e)[:300]}); the MLflow model and the "
+                  f"checkpoint have it", flush=True)
 
     def _track(self, epoch: int, batch: int, metrics: dict[str, float], chain_state: Any, *,
                final: bool, checkpoint_dir: str | None) -> None:

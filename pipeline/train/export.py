@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -32,6 +33,9 @@ class Predictor(nn.Module):
                  class_names: Sequence[str] = ()) -> None:
         super().__init__()
         self.nets = nn.ModuleList(copy.deepcopy(n).cpu().eval() for n in nets)
+        for m in self.nets.modules():  # the training run's hooks (its divergence check) stay
+            m._forward_hooks.clear()
+            m._forward_pre_hooks.clear()
         self.normalize = copy.deepcopy(normalize).cpu() if normalize is not None else None
         self.num_classes = int(num_classes)
         self.preset = preset
@@ -45,3 +49,64 @@ class Predictor(nn.Module):
         x = self.normalize(images) if self.normalize is not None else images.float()
         probs = [torch.softmax(net(x).float()[:, :self.num_classes], 1) for net in self.nets]
         return torch.stack(probs).mean(0)
+
+
+EXPORT_META = ".json"  # the sidecar of an exported program: <name>.pt2 -> <name>.json
+
+
+def export_program(predictor: Predictor, example: Tensor, path: str | Path) -> Path:
+    """``predictor`` as a ``torch.export`` program file (``.pt2``, any batch size), loadable
+    with ``torch.export.load(path).module()`` where torch is installed, without this
+    project; beside it ``<name>.json``: the transform preset, the class names, the input
+    (``(C, H, W)``, uint8 or float32). Written under a temporary name, then renamed: never
+    a half-written file. ``example``: a batch as the networks take it."""
+    import json
+    import os
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    example = example.cpu()
+    batch = torch.export.Dim("batch", min=1, max=1 << 16)
+    program = torch.export.export(predictor, (example,), dynamic_shapes={"images": {0: batch}})
+    partial = path.with_name(path.stem + ".partial.pt2")
+    torch.export.save(program, str(partial))
+    meta = {"preset": predictor.preset, "class_names": list(predictor.class_names),
+            "num_classes": predictor.num_classes, "input_shape": list(example.shape[1:]),
+            "input_dtype": str(example.dtype).removeprefix("torch."),
+            "torch": torch.__version__}
+    meta_path = path.with_suffix(EXPORT_META)
+    meta_partial = meta_path.with_name(meta_path.name + ".partial")
+    meta_partial.write_text(json.dumps(meta, indent=1))
+    os.replace(meta_partial, meta_path)
+    os.replace(partial, path)
+    return path
+
+
+class ExportedClassifier(nn.Module):
+    """An exported program (:func:`export_program`) with what its sidecar records:
+    ``preset``, ``class_names``, ``num_classes`` and ``takes_uint8`` (the program
+    normalises the images itself)."""
+
+    def __init__(self, path: str | Path) -> None:
+        import json
+
+        super().__init__()
+        path = Path(path)
+        meta_path = path.with_suffix(EXPORT_META)
+        if not meta_path.is_file():
+            raise FileNotFoundError(f"{meta_path}: the exported model's sidecar is missing "
+                                    f"(it names the preset and the classes)")
+        meta = json.loads(meta_path.read_text())
+        self.program = torch.export.load(str(path)).module()
+        self.preset = meta.get("preset")
+        self.class_names = tuple(meta.get("class_names") or ())
+        self.num_classes = int(meta["num_classes"])
+        self.takes_uint8 = meta.get("input_dtype") == "uint8"
+
+    def train(self, mode: bool = True) -> ExportedClassifier:
+        """The program is fixed in evaluation mode (an exported module has no train())."""
+        self.training = bool(mode)
+        return self
+
+    def forward(self, images: Tensor) -> Tensor:
+        return self.program(images)
