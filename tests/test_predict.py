@@ -16,9 +16,9 @@ import torch
 from PIL import Image
 
 from pipeline.data.transforms import build_transform
-from pipeline.track.predict import main
+from pipeline.track.predict import ExportedClassifier, main
 from pipeline.track.tracking import Tracker
-from pipeline.train.export import Predictor
+from pipeline.train.export import Predictor, export_program
 from pipeline.train.models import build_model
 
 CLASSES = ("airplane", "cat")
@@ -119,8 +119,6 @@ def test_the_exported_program_predicts_as_the_model_without_the_training_hooks(p
     """export_program writes a torch.export file (any batch size) and its sidecar; the
     training run's forward hooks (its divergence check) are left behind by Predictor, and
     lccn-predict reads the .pt2 with the preset and class names it records."""
-    from pipeline.train.export import ExportedClassifier, export_program
-
     torch.manual_seed(1)
     net = build_model("small_cnn", 2)
     calls = []

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 import sys
 import tempfile
@@ -34,12 +35,42 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor, nn
 
 from pipeline.data.images import input_images
 from pipeline.data.transforms import build_sample_transform, build_transform, get_preset
 from pipeline.track.uris import redact_uri
 
 HEADER = ("key", "predicted", "class", "confidence")
+
+
+class ExportedClassifier(nn.Module):
+    """An exported program (:func:`pipeline.train.export.export_program`) with what its
+    sidecar ``<name>.json`` records:
+    ``preset``, ``class_names``, ``num_classes`` and ``takes_uint8`` (the program
+    normalises the images itself)."""
+
+    def __init__(self, path: str | Path) -> None:
+        super().__init__()
+        path = Path(path)
+        meta_path = path.with_suffix(".json")
+        if not meta_path.is_file():
+            raise FileNotFoundError(f"{meta_path}: the exported model's sidecar is missing "
+                                    f"(it names the preset and the classes)")
+        meta = json.loads(meta_path.read_text())
+        self.program = torch.export.load(str(path)).module()
+        self.preset = meta.get("preset")
+        self.class_names = tuple(meta.get("class_names") or ())
+        self.num_classes = int(meta["num_classes"])
+        self.takes_uint8 = meta.get("input_dtype") == "uint8"
+
+    def train(self, mode: bool = True) -> ExportedClassifier:
+        """The program is fixed in evaluation mode (an exported module has no train())."""
+        self.training = bool(mode)
+        return self
+
+    def forward(self, images: Tensor) -> Tensor:
+        return self.program(images)
 
 
 def load_classifier(uri: str, *, tracking_uri: str | None = None) -> Any:
@@ -51,8 +82,6 @@ def load_classifier(uri: str, *, tracking_uri: str | None = None) -> Any:
 
     local = Path(uri).expanduser()
     if local.suffix == ".pt2":  # the run's exported program (results/<run>-model.pt2)
-        from pipeline.train.export import ExportedClassifier
-
         if not local.is_file():
             raise FileNotFoundError(f"{local}: no such file")
         return ExportedClassifier(local).eval()

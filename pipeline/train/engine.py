@@ -73,7 +73,7 @@ from pipeline.train.checkpoints import (
     init_state_file,
     last_lr,
 )
-from pipeline.train.export import Predictor
+from pipeline.train.export import Predictor, export_program
 from pipeline.train.fastpath import configure_backends, grad_scaler, wrap_model
 from pipeline.train.loop import run_pass
 from pipeline.train.members import Member, ema_decay_at, make_scheduler, param_groups
@@ -596,8 +596,6 @@ class Engine:
                   f"trace it with", flush=True)
             return
         try:
-            from pipeline.train.export import export_program
-
             export_program(self.predictor(), example, path)
         except Exception as e:  # noqa: BLE001 - torch.export refuses some models
             print(f"warning: the classifier could not be exported to {path} "

@@ -51,7 +51,9 @@ class Predictor(nn.Module):
         return torch.stack(probs).mean(0)
 
 
-EXPORT_META = ".json"  # the sidecar of an exported program: <name>.pt2 -> <name>.json
+# the sidecar of an exported program: <name>.pt2 -> <name>.json (read by
+# pipeline.track.predict.ExportedClassifier)
+EXPORT_META = ".json"
 
 
 def export_program(predictor: Predictor, example: Tensor, path: str | Path) -> Path:
@@ -80,33 +82,3 @@ def export_program(predictor: Predictor, example: Tensor, path: str | Path) -> P
     os.replace(meta_partial, meta_path)
     os.replace(partial, path)
     return path
-
-
-class ExportedClassifier(nn.Module):
-    """An exported program (:func:`export_program`) with what its sidecar records:
-    ``preset``, ``class_names``, ``num_classes`` and ``takes_uint8`` (the program
-    normalises the images itself)."""
-
-    def __init__(self, path: str | Path) -> None:
-        import json
-
-        super().__init__()
-        path = Path(path)
-        meta_path = path.with_suffix(EXPORT_META)
-        if not meta_path.is_file():
-            raise FileNotFoundError(f"{meta_path}: the exported model's sidecar is missing "
-                                    f"(it names the preset and the classes)")
-        meta = json.loads(meta_path.read_text())
-        self.program = torch.export.load(str(path)).module()
-        self.preset = meta.get("preset")
-        self.class_names = tuple(meta.get("class_names") or ())
-        self.num_classes = int(meta["num_classes"])
-        self.takes_uint8 = meta.get("input_dtype") == "uint8"
-
-    def train(self, mode: bool = True) -> ExportedClassifier:
-        """The program is fixed in evaluation mode (an exported module has no train())."""
-        self.training = bool(mode)
-        return self
-
-    def forward(self, images: Tensor) -> Tensor:
-        return self.program(images)
