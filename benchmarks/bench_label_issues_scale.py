@@ -1,7 +1,7 @@
 """The label-issue report at full-WebVision scale: memory and time of the accumulator and
 the report on a synthetic stream of Eq. 7 posteriors, N = 2.4M samples x K = 1000 classes.
 
-Protocol: one rank (the merge's all-reduce is the identity), ``--epochs`` report epochs;
+Protocol: one rank (the merge's all-reduce is the identity), ``--passes`` report epochs;
 each epoch visits every sample once in a random order, in batches of ``--batch`` rows of
 peaked posteriors (softmax of N(0, 1) logits plus 8 at a "true" class, which 20% of the
 observed labels differ from). Measured: the accumulator's tensors (the top-k sums) against
@@ -12,7 +12,7 @@ true class, and whose flag is not the planted flip (a few, where N(0, 1) noise b
 lead).
 
     python benchmarks/bench_label_issues_scale.py --write benchmarks/results/label_issues_scale.md
-    python benchmarks/bench_label_issues_scale.py --samples 200000 --epochs 1   # a quick look
+    python benchmarks/bench_label_issues_scale.py --samples 200000 --passes 1   # a quick look
 """
 
 from __future__ import annotations
@@ -49,10 +49,12 @@ def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--samples", type=int, default=2_400_000)
     p.add_argument("--classes", type=int, default=1000)
-    p.add_argument("--epochs", type=int, default=2, help="report epochs (the window)")
+    p.add_argument("--passes", type=int, default=2,
+                   help="passes over the samples: the report's epochs (its window)")
     p.add_argument("--batch", type=int, default=2048)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stream-seed", type=int, default=0,
+                   help="seed of the labels and posteriors")
     p.add_argument("--out", type=Path, default=None, help="folder for the report's files "
                    "(default: a temporary one, removed)")
     p.add_argument("--write", type=Path, default=None, help="write the results as Markdown")
@@ -63,19 +65,19 @@ def main(argv: list[str] | None = None) -> dict:
     args = get_args_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     n, k = args.samples, args.classes
-    g = torch.Generator().manual_seed(args.seed)
+    g = torch.Generator().manual_seed(args.stream_seed)
     truth = torch.randint(0, k, (n,), generator=g)
     flip = torch.rand(n, generator=g) < 0.2
     observed = torch.where(flip, (truth + 1 + torch.randint(0, k - 1, (n,), generator=g)) % k,
                            truth)
     load0 = os.getloadavg()[0]
     rss0 = peak_rss_gb()
-    acc = ReportAccumulator(num_samples=n, k_latent=k, num_classes=k, epochs=args.epochs,
-                            total_epochs=args.epochs, first_noise_epoch=0, alpha=1.0,
+    acc = ReportAccumulator(num_samples=n, k_latent=k, num_classes=k, epochs=args.passes,
+                            total_epochs=args.passes, first_noise_epoch=0, alpha=1.0,
                             observed=observed)
     rows = []
     t_all = time.perf_counter()
-    for epoch in range(args.epochs):
+    for epoch in range(args.passes):
         sink = acc.sink(epoch)
         order = torch.randperm(n, generator=g)
         t0, t_gen = time.perf_counter(), 0.0
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
             t_gen += time.perf_counter() - s
             sink(idx, post)
             if i % 200 == 0:
-                print(f"epoch {epoch + 1}/{args.epochs}: {i * args.batch:,}/{n:,} "
+                print(f"epoch {epoch + 1}/{args.passes}: {i * args.batch:,}/{n:,} "
                       f"({time.perf_counter() - t0:.0f} s)", flush=True)
         t_add = time.perf_counter() - t0 - t_gen
         t1 = time.perf_counter()
@@ -96,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
                      "merge_s": time.perf_counter() - t1})
         print(f"epoch {epoch + 1}: additions {t_add:.1f} s (posteriors made in {t_gen:.1f} s), "
               f"merge {rows[-1]['merge_s']:.1f} s, peak RSS {peak_rss_gb():.2f} GiB", flush=True)
-    acc_gb = tensor_gb(acc.top_cls, acc.top_sum, acc.obs_sum, acc.out_sum, acc.count)
+    acc_gb = tensor_gb(acc.top_cls, acc.top_sum, acc.obs_sum, acc.out_sum, acc.count, acc.sum)
     store = ConfusionStore(observed, truth, k, k)
     state = {"store": store.state_dict(), STATE_KEY: acc.state_dict()}
     t0 = time.perf_counter()
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
     m = report.mislabelled
     suggested_off = int((m.suggested != truth.numpy()[m.idx]).sum())
     flags_off = int((m.flagged != flip.numpy()[m.idx]).sum())
-    res = {"samples": n, "classes": k, "epochs": args.epochs, "batch": args.batch,
+    res = {"samples": n, "classes": k, "epochs": args.passes, "batch": args.batch,
            "topk": acc.k, "exact": acc.exact, "accumulator_gb": acc_gb,
            "dense_gb": n * k * 4 / 2**30, "peak_rss_gb": peak_rss_gb(), "rss_start_gb": rss0,
            "epochs_rows": rows, "build_s": t_build, "write_s": t_write,

@@ -336,7 +336,7 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
                         "this many seconds; a bar on a terminal; 0: per-epoch lines only")
     g.add_argument("--export-model", action=argparse.BooleanOptionalAction, default=True,
                    help="at the end, write the classifier as a torch.export program "
-                        "<run-dir>/results/<run>-model.pt2 (with a .json of its preset and "
+                        "<run-dir>/models/<run>.pt2 (with a .json of its preset and "
                         "classes; lccn-predict reads it); off with --smoke-test")
     g.add_argument("--max-failures", type=int, default=1,
                    help="worker-group restarts from the last checkpoint before giving up")
@@ -870,7 +870,7 @@ def run_job(args: argparse.Namespace, *, job: str, run: RunConfig, dist: DistCon
         summary["files"][name] = str(path)
         print(f"[{job}] {name}: {path}" + (f" ({_flagged(text)})" if name.startswith("outliers")
                                            else ""), flush=True)
-    exported = out_dir / f"{dist.run_name}-model.pt2"
+    exported = Path(dist.run_dir) / "models" / f"{dist.run_name}.pt2"
     if dist.export_model and exported.is_file():
         summary["files"]["model"] = str(exported)
         print(f"[{job}] model: {exported} (torch.export; `lccn-predict {exported} IMAGES "

@@ -716,7 +716,7 @@ def test_ray_job_submit_train_on_an_image_folder(ray_head, cifar10_jpeg_tree, tm
     assert rows[0] == "key,predicted,class,confidence" and len(rows) == 31
     assert {r.split(",")[2] for r in rows[1:]} <= {"airplane", "cat", "dog"}
     # the same classifier as a torch.export program beside the results: the same predictions
-    exported = run_dir / "results" / "own-model.pt2"
+    exported = run_dir / "models" / "own.pt2"
     assert result["files"]["model"] == str(exported) and exported.is_file()
     assert json.loads(exported.with_suffix(".json").read_text())["class_names"] == \
         ["airplane", "cat", "dog"]

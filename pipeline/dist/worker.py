@@ -110,7 +110,7 @@ class DistConfig:
         instead of each GPU's share of it; for small per-GPU batches. GPU workers only
         (SyncBatchNorm has no CPU kernel).
     export_model: rank 0 writes the classifier as a ``torch.export`` program to
-        ``<run_dir>/results/<run_name>-model.pt2`` (and its ``.json``) at the run's end.
+        ``<run_dir>/models/<run_name>.pt2`` (and its ``.json``) at the run's end.
     """
 
     run_name: str
@@ -280,7 +280,7 @@ def run_worker(run: RunConfig, dist: DistConfig, view: LabelView, store: Any,
                             normalize=build_batch_transform(dist.preset) if cuda else None,
                             sample_keys=keys, init_from=dist.init_from,
                             progress_seconds=dist.progress_seconds, preset=dist.preset,
-                            export_path=(f"{dist.run_dir}/results/{dist.run_name}-model.pt2"
+                            export_path=(f"{dist.run_dir}/models/{dist.run_name}.pt2"
                                          if dist.export_model else None))
     return Engine(run, session, data, chain=chain, options=options).fit()
 

@@ -5,7 +5,7 @@ The classifier is the MLflow model a tracked run logs at its end
 (:class:`pipeline.train.export.Predictor`: every network, the K classes' probabilities,
 the run's transform preset and class names): a ``runs:/<run id>/model`` or ``models:/``
 URI of the tracking server, the model's folder on disk, or the ``torch.export`` program a
-job writes beside its results (``<run-dir>/results/<run>-model.pt2`` and its ``.json``
+job writes at its end (``<run-dir>/models/<run>.pt2`` and its ``.json``
 sidecar: no MLflow needed). The images are a folder
 (recursively), a CSV with a ``path`` column, or a converted split
 (:mod:`pipeline.data.images`), transformed as the run's evaluation images were (the
@@ -16,7 +16,7 @@ Usage::
     lccn-predict runs:/<run id>/model ~/my_photos --out predictions.csv \\
         --tracking-uri http://mlflow.example:5000
     lccn-predict ./downloaded_model new_images.csv --out predictions.csv --preset clothing1m
-    lccn-predict ~/lccn_runs/train/results/RUN-model.pt2 ~/my_photos --out predictions.csv
+    lccn-predict ~/lccn_runs/train/models/RUN.pt2 ~/my_photos --out predictions.csv
 
 The CSV appears only when every image was predicted (written beside, then renamed).
 """
@@ -81,7 +81,7 @@ def load_classifier(uri: str, *, tracking_uri: str | None = None) -> Any:
     import mlflow.pytorch
 
     local = Path(uri).expanduser()
-    if local.suffix == ".pt2":  # the run's exported program (results/<run>-model.pt2)
+    if local.suffix == ".pt2":  # the run's exported program (models/<run>.pt2)
         if not local.is_file():
             raise FileNotFoundError(f"{local}: no such file")
         return ExportedClassifier(local).eval()
@@ -164,7 +164,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lccn-predict", description=__doc__.split("\n\n")[0])
     p.add_argument("model", help="runs:/<run id>/model, models:/<name>/<version>, the "
                                  "model's folder, or the run's exported program "
-                                 "(<run-dir>/results/<run>-model.pt2)")
+                                 "(<run-dir>/models/<run>.pt2)")
     p.add_argument("images", type=Path, help="a folder of images (recursively), a CSV with a "
                                              "'path' column, or a converted split folder")
     p.add_argument("--out", type=Path, required=True, help="the CSV to write")
