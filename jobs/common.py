@@ -870,7 +870,7 @@ def run_job(args: argparse.Namespace, *, job: str, run: RunConfig, dist: DistCon
         summary["files"][name] = str(path)
         print(f"[{job}] {name}: {path}" + (f" ({_flagged(text)})" if name.startswith("outliers")
                                            else ""), flush=True)
-    exported = Path(dist.run_dir) / "models" / f"{dist.run_name}.pt2"
+    exported = Path(dist.export_path)
     if dist.export_model and exported.is_file():
         summary["files"]["model"] = str(exported)
         print(f"[{job}] model: {exported} (torch.export; `lccn-predict {exported} IMAGES "

@@ -133,10 +133,15 @@ def prepare_data(args: argparse.Namespace, root: Path | None = None) -> list[str
     base = Path(root) if root is not None else args.run_dir
     out = (args.shards_out or base / "data" /
            f"{src.stem}-{_digest(src, test_src, args.resize_short)}").expanduser().resolve()
+    rows = None
     if args.images is not None:
         n = count_images(src, args.train_split)
     else:
-        n = sum(1 for r in csvlist.read_rows(src) if r["split"] == args.train_split)
+        try:
+            rows = csvlist.read_rows(src)  # read (and every file checked) once
+        except ShardError as e:
+            raise SystemExit(f"error: {e}") from None
+        n = sum(1 for r in rows if r["split"] == args.train_split)
     size = args.shard_size or auto_shard_size(n, args.num_workers, args.loader_workers)
     opts = dict(shard_size=size, workers=args.convert_workers,
                 resize_short=args.resize_short or None, progress=True)
@@ -164,7 +169,7 @@ def prepare_data(args: argparse.Namespace, root: Path | None = None) -> list[str
                         src, out, splits=[test], dataset=src.name,
                         classes=manifests[train].classes, **opts))
         else:
-            manifests = csvlist.convert(src, out, dataset=src.stem,
+            manifests = csvlist.convert(src, out, dataset=src.stem, rows=rows,
                                         verified_splits=(test,), **opts)
             if train not in manifests:
                 raise SystemExit(f"error: --csv {src}: no rows of the training split "

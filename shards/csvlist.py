@@ -84,12 +84,14 @@ def convert(
     progress: bool = True,
     shuffle_seed: int | None = 0,
     verified_splits: Sequence[str] = ("test",),
+    rows: list[dict[str, str | int]] | None = None,
 ) -> dict[str, Manifest]:
     """Convert the CSV ``src`` to ``out_dir/<split>/`` shards, one split per distinct
     ``split`` cell (``splits``: only these, each must have rows). Rows of
-    ``verified_splits`` without a ``clean`` cell take their label as the clean one."""
+    ``verified_splits`` without a ``clean`` cell take their label as the clean one.
+    ``rows``: :func:`read_rows` of ``src`` already read (each file is checked once)."""
     src = Path(src)
-    rows = read_rows(src)
+    rows = read_rows(src) if rows is None else rows
     if classes is None:
         classes = sorted({str(r["label"]) for r in rows})
     else:

@@ -166,7 +166,6 @@ class ReportAccumulator:
         if observed is not None and tuple(observed.shape) != (num_samples,):
             raise ValueError(f"observed must be ({num_samples},), got {tuple(observed.shape)}")
         self.observed = None if observed is None else observed.long().cpu()
-        self.too_large = False  # kept for callers of the dense accumulator: never off now
         self.heldout: dict[str, Tensor] | None = None
         self.top_cls: Tensor | None = None
         self.top_sum: Tensor | None = None

@@ -138,6 +138,11 @@ class DistConfig:
     sync_bn: bool = False
     export_model: bool = False
 
+    @property
+    def export_path(self) -> str:
+        """Where ``export_model`` writes the classifier: ``<run_dir>/models/<run_name>.pt2``."""
+        return f"{self.run_dir}/models/{self.run_name}.pt2"
+
     def __post_init__(self) -> None:
         for name in ("lr_values", "class_names"):
             if isinstance(getattr(self, name), list):
@@ -280,8 +285,7 @@ def run_worker(run: RunConfig, dist: DistConfig, view: LabelView, store: Any,
                             normalize=build_batch_transform(dist.preset) if cuda else None,
                             sample_keys=keys, init_from=dist.init_from,
                             progress_seconds=dist.progress_seconds, preset=dist.preset,
-                            export_path=(f"{dist.run_dir}/models/{dist.run_name}.pt2"
-                                         if dist.export_model else None))
+                            export_path=dist.export_path if dist.export_model else None)
     return Engine(run, session, data, chain=chain, options=options).fit()
 
 

@@ -290,9 +290,6 @@ class LabelIssueReport:
         (the mean Eq. 7 posterior of each), ``p_outlier`` (LCCN*) and ``flagged`` (1: the
         sample is in mislabelled.csv). Written row by row (2.4M rows: about 10 s)."""
         r, o = self.mislabelled, self.outliers
-        names = np.asarray([self._name(c) for c in range(max(len(self.class_names), 1))] +
-                           [""], dtype=object)
-        n_names = len(names) - 1
         head = ["idx", "key", "observed", "suggested", "p_suggested", "p_observed"]
         head += ["p_outlier"] if o is not None else []
         head += ["flagged"]
@@ -303,8 +300,7 @@ class LabelIssueReport:
             for pos in order.tolist():
                 i = int(r.idx[pos])
                 ob, sg = int(self.observed[i]), int(r.suggested[pos])
-                row = [i, self.keys[i], names[ob] if ob < n_names else self._name(ob),
-                       (names[sg] if 0 <= sg < n_names else self._name(sg)) if sg >= 0 else "",
+                row = [i, self.keys[i], self._name(ob), self._name(sg) if sg >= 0 else "",
                        f"{self.p_suggested[pos]:.4f}", f"{self.p_observed[pos]:.4f}"]
                 if o is not None:
                     row.append(f"{o.score[pos]:.4f}")
