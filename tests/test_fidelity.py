@@ -16,7 +16,13 @@ from pipeline.core.config import LCCNConfig, MonitorConfig
 from pipeline.core.confusion_store import ConfusionStore
 from pipeline.core.labels import holdout_split
 from pipeline.core.losses import clipped_cross_entropy, soft_cross_entropy
-from pipeline.core.monitor import ChainCollapsed, CollapseMonitor, CollapseWarning, chain_health
+from pipeline.core.monitor import (
+    ChainCollapsed,
+    CollapseMonitor,
+    CollapseWarning,
+    chain_health,
+    memorisation_epoch,
+)
 from pipeline.core.noise import instance_dependent, make_view, symmetric
 from pipeline.core.sampler import gibbs_posterior, gibbs_step
 from pipeline.core.warmup import (
@@ -300,6 +306,37 @@ def test_collapse_monitor_checks_validation_only_at_or_below_the_starts_learning
     old.load_state_dict({"monitor_val_start": 0.66})
     with pytest.warns(CollapseWarning, match="classifier degrading"):
         old.check(healthy, 0.30, lr=0.1)
+
+
+def test_memorisation_epoch_watches_the_decayed_rate_and_needs_patience():
+    """The guard's signal: after the first lr decay of the noise phase, ``patience``
+    consecutive epochs more than ``drop`` below the best noisy validation accuracy since."""
+    def rows(vals, lrs, first=0):
+        return [{"epoch": float(first + i), "lr": lr, "val_top1": v}
+                for i, (v, lr) in enumerate(zip(vals, lrs))]
+
+    lrs = [0.1] * 4 + [0.01] * 6
+    # swings at the phase's first rate are not watched (a 6-point dip at lr 0.1)
+    vals = [0.50, 0.44, 0.43, 0.52, 0.60, 0.61, 0.58, 0.585, 0.57, 0.56]
+    assert memorisation_epoch(rows(vals, lrs), first_epoch=0, drop=0.02, patience=2) == 7
+    assert memorisation_epoch(rows(vals, lrs), first_epoch=0, drop=0.02, patience=3) == 8
+    assert memorisation_epoch(rows(vals, lrs), first_epoch=0, drop=0.045, patience=1) == 9
+    assert memorisation_epoch(rows(vals, lrs), first_epoch=0, drop=0.06, patience=1) is None
+    # a recovery resets the count: 0.58, back at 0.60, then 0.58 (one epoch below each time)
+    wobble = [0.5] * 4 + [0.60, 0.58, 0.60, 0.58, 0.60, 0.58]
+    assert memorisation_epoch(rows(wobble, lrs), first_epoch=0, drop=0.01, patience=2) is None
+    # the CE epochs before first_epoch are not the phase: its first rate is read at epoch 3
+    ce_first = rows([0.3, 0.9] + vals, [0.5, 0.5] + lrs)
+    assert memorisation_epoch(ce_first, first_epoch=2, drop=0.02, patience=2) == 9
+    # a constant rate is never watched; NaN (no validation split) never counts
+    assert memorisation_epoch(rows(vals, [0.1] * 10), first_epoch=0, drop=0.02,
+                              patience=1) is None
+    nan = [0.5] * 4 + [math.nan] * 6
+    assert memorisation_epoch(rows(nan, lrs), first_epoch=0, drop=0.0, patience=1) is None
+    with pytest.raises(ValueError, match="guard_patience must be an integer >= 1"):
+        LCCNConfig(guard_patience=0)
+    with pytest.raises(ValueError, match="guard_targets must be one of"):
+        LCCNConfig(guard_targets="soft")
 
 
 def test_the_monitor_replay_gives_back_the_recorded_gpu_restart_warnings():

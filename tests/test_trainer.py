@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pipeline.core.config import LCCNConfig, ModelConfig, OptimConfig, RunConfig, from_dict
-from pipeline.core.confusion import transition
+from pipeline.core.confusion import count_matrix, transition
 from pipeline.core.labels import LabelView
 from pipeline.core.noise import CIFAR10_ASYM_MAP, open_set, pair_flip, trusted_subset
 from pipeline.data.digits import clean_view, load_digits_arrays, split_indices, to_tensor
@@ -681,3 +681,37 @@ def test_prior_strength_anchors_every_row_of_phi_at_the_warm_up_estimate():
     torch.testing.assert_close(labeler(2.0).alpha, anchored.alpha)  # a resumed labeler
     with pytest.raises(ValueError, match="prior_strength must be a finite number >= 0"):
         LCCNConfig(prior_strength=-1.0)
+
+
+def test_the_memorisation_guard_switches_to_hard_targets_and_the_anchored_prior(monkeypatch,
+                                                                                 capsys):
+    """LCCNConfig.guard_drop: the run trains on posterior targets with the paper's prior
+    until the noisy validation accuracy falls (scripted here: 0.60, then 0.40 after the
+    lr decay), then on sampled targets with phi anchored at the warm-up estimate; the
+    chain stays consistent through the switch."""
+    from pipeline.train.engine import Engine
+
+    script = [0.50, 0.50, 0.60, 0.40, 0.40, 0.40]  # by epoch (the row being scored)
+    monkeypatch.setattr(Engine, "val_scores", lambda self: {
+        "top1": script[min(len(self.history), len(script) - 1)], "nll": 1.0})
+    xtr, ytr, xte, yte = _digits()
+    view = pair_flip(ytr, 10, CIFAR10_ASYM_MAP, 0.4, seed=0)
+    cfg = replace(_short_cfg(guard_drop=0.05, guard_patience=1), val_fraction=0.1,
+                  optim=OptimConfig(epochs=5, pretrain_epochs=1, batch_size=64, lr=0.05,
+                                    milestones=(2,)))
+    trainer = LocalTrainer(cfg, TensorData(xtr, view), TensorData(xte, clean_view(yte)))
+    rows = trainer.fit()
+    assert [r["lr"] for r in rows] == pytest.approx([0.05, 0.05, 0.005, 0.005, 0.005])
+    assert [r["guarded"] for r in rows[1:]] == [0.0, 0.0, 0.0, 1.0]
+    out = capsys.readouterr().out
+    assert ("memorisation guard: the noisy validation accuracy has been more than 0.05 "
+            "below its best for 1 epochs (to epoch 3); from epoch 4 on LCCN trains on "
+            "sample targets with prior_strength 1") in out
+    method = trainer.method
+    lab = method.labeler
+    assert method.guarded_at == 3 and lab.cfg.targets == "sample"
+    n_counted = int(lab.counts.sum())
+    torch.testing.assert_close(lab.alpha, 1.0 + n_counted / 10 * method.phi_init)
+    state = trainer.engine.chain.read()
+    assert torch.equal(state["counts"], count_matrix(state["z"], state["observed"], 10, 10,
+                                                     counted=state["counted"]))

@@ -128,6 +128,27 @@ class LCCNConfig:
         with no measurable change in accuracy (benchmarks/results/actor.md, staleness.md);
         keep it well under the steps of an epoch (a distributed worker caps it at a
         quarter of its steps per epoch).
+    guard_drop, guard_patience, guard_targets, guard_prior_strength: the memorisation
+        guard, which switches LCCN to hard targets and the anchored prior once the noisy
+        validation accuracy shows the classifier memorising. Where the classifier memorises its noisy labels, the chain follows it (z ->
+        the observed labels, φ -> the identity) and LCCN with posterior targets memorises
+        with CE; where it does not, hard targets and the anchored prior cost accuracy
+        (docs/fidelity.md, "Which regime a run is in"). The guard watches the measured
+        signal of memorisation, the noisy validation accuracy falling, and switches only
+        then: once the learning rate has fallen below the LCCN phase's first one (before,
+        epoch-to-epoch swings of 3-4 points are common), when ``guard_patience``
+        consecutive epochs end more than ``guard_drop`` below the best noisy validation
+        accuracy since, the rest of the run trains on ``guard_targets`` with
+        ``prior_strength`` raised to ``guard_prior_strength`` (the warm-up estimate holds
+        the noise in φ that the counts have lost). The decision reads only the epoch rows
+        (``val_top1``, ``lr``), so every rank and a resumed run make the same one.
+        0 (``guard_drop``, default) switches it off. Measured at 0.02 (CPU memorisation
+        protocol, seed 0; benchmarks/results/cifar.md): it fires in none of the 40
+        recorded runs of the protocol where CE does not memorise, and where CE memorises
+        it recovers part of what the defaults lose (symmetric 0.5: 30.0 against 25.1,
+        asymmetric 0.5: 55.3 against 53.6, instance-dependent 0.4: 39.8 against 38.7) but
+        switches 4-8 epochs after the peak, too late to reach CE at symmetric 0.5 (33.3);
+        hence off.
     report_epochs: the label-issue report (:mod:`pipeline.track.label_issues`) averages each
         training sample's Eq. 7 posterior over the run's last this many LCCN epochs
         (0: off; memory N x K_latent floats per worker).
@@ -156,6 +177,10 @@ class LCCNConfig:
     refresh_steps: int = 1
     commit_every: int = 8
     report_epochs: int = 5
+    guard_drop: float = 0.0
+    guard_patience: int = 2
+    guard_targets: str = field(default="sample", metadata={"choices": TARGETS})
+    guard_prior_strength: float = 1.0
 
     def __post_init__(self) -> None:
         alphas = self.alpha if isinstance(self.alpha, (tuple, list)) else (self.alpha,)
@@ -173,6 +198,18 @@ class LCCNConfig:
         if not (0 <= self.prior_strength < float("inf")):
             raise ValueError(f"prior_strength must be a finite number >= 0, got "
                              f"{self.prior_strength}")
+        if not 0 <= self.guard_drop < 1:
+            raise ValueError(f"guard_drop must lie in [0, 1), got {self.guard_drop}")
+        if isinstance(self.guard_patience, bool) or not isinstance(self.guard_patience, int) \
+                or self.guard_patience < 1:
+            raise ValueError(f"guard_patience must be an integer >= 1, got "
+                             f"{self.guard_patience!r}")
+        if self.guard_targets not in TARGETS:
+            raise ValueError(f"guard_targets must be one of {TARGETS}, got "
+                             f"{self.guard_targets!r}")
+        if not (0 <= self.guard_prior_strength < float("inf")):
+            raise ValueError(f"guard_prior_strength must be a finite number >= 0, got "
+                             f"{self.guard_prior_strength}")
         if not (0 <= self.ramp_epochs < float("inf")):
             raise ValueError(f"ramp_epochs must be a finite number >= 0, got {self.ramp_epochs}")
         if not 0 < self.anchor_quantile < 1:

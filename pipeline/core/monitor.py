@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -65,6 +66,42 @@ def chain_health(z: Tensor, observed: Tensor, k_latent: int, num_classes: int, *
         out["phi_drift"] = float((phi.to(torch.float64) - phi_init.to(torch.float64))
                                  .abs().mean())
     return out
+
+
+def memorisation_epoch(history: Sequence[Mapping[str, float]], *, first_epoch: int,
+                       drop: float, patience: int) -> int | None:
+    """The epoch at whose end the noisy validation accuracy says the classifier is
+    memorising its labels (:attr:`LCCNConfig.guard_drop`), or None.
+
+    ``history``: the epoch rows in order (``epoch``, ``lr``, ``val_top1``). Watched: the
+    rows from ``first_epoch`` on whose learning rate is below that of the row of
+    ``first_epoch`` (at the phase's first rate the accuracy swings by several points from
+    one epoch to the next). The answer is the first watched epoch that ends the
+    ``patience``-th consecutive watched epoch more than ``drop`` below the best
+    ``val_top1`` of the watched epochs before it. NaN accuracies (no validation split)
+    never count."""
+    lr0: float | None = None
+    best, below = -math.inf, 0
+    for r in history:
+        if int(r.get("epoch", -1)) < first_epoch:
+            continue
+        lr = float(r.get("lr", math.nan))
+        if lr0 is None:
+            lr0 = lr
+        if not lr < lr0 * (1 - 1e-6):
+            continue
+        val = float(r.get("val_top1", math.nan))
+        if math.isnan(val):
+            below = 0
+            continue
+        if val < best - drop:
+            below += 1
+            if below >= patience:
+                return int(r["epoch"])
+        else:
+            below = 0
+        best = max(best, val)
+    return None
 
 
 class CollapseMonitor:

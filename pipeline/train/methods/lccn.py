@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import io
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -15,7 +16,7 @@ import torch
 from torch import Tensor
 
 from pipeline.core.confusion import transition, transition_error
-from pipeline.core.monitor import CollapseMonitor, chain_health
+from pipeline.core.monitor import CollapseMonitor, chain_health, memorisation_epoch
 from pipeline.core.posterior import STATE_KEY, PosteriorWindow
 from pipeline.core.warmup import estimate_phi_init, initial_latents
 from pipeline.train.labeler import GibbsLabeler
@@ -67,6 +68,9 @@ class LCCN(Method):
                                  f"train on the outlier class, which needs LCCN* "
                                  f"(LCCNConfig.outlier)")
         self.monitor = CollapseMonitor(run.monitor)
+        # the memorisation guard (LCCNConfig.guard_drop): the epoch whose end showed the
+        # classifier memorising, after which self.cfg holds the switched targets and prior
+        self.guarded_at: int | None = None
         self.phi_init: Tensor | None = None
         self.lccn_step = 0
         self.labeler: GibbsLabeler | None = None
@@ -110,9 +114,37 @@ class LCCN(Method):
         self.monitor.start(eng.val_top1(), lr=eng.trained_lr())
         return {"init_transition_error": transition_error(phi_init, data.transition)}
 
+    def _guard(self, epoch: int) -> None:
+        """The memorisation guard: from the epoch rows so far (every rank holds the same,
+        a resumed run its checkpoint's), switch the rest of the run to
+        ``guard_targets`` and the anchored prior once they show the classifier memorising
+        (:func:`~pipeline.core.monitor.memorisation_epoch`). The labeler is made again with
+        the new prior at the next :meth:`begin_epoch` (its counts: the store's)."""
+        lc = self.cfg
+        if lc.guard_drop <= 0 or self.guarded_at is not None:
+            return
+        at = memorisation_epoch(self.engine.history, first_epoch=self.run.optim.pretrain_epochs,
+                                drop=lc.guard_drop, patience=lc.guard_patience)
+        if at is None:
+            return
+        self.guarded_at = at
+        self.cfg = replace(lc, targets=lc.guard_targets,
+                           prior_strength=max(lc.prior_strength, lc.guard_prior_strength))
+        if self.labeler is not None:
+            self.labeler.flush()
+            self.lccn_step = self.labeler.step_count
+            self.labeler = None
+        if self.engine.session.rank == 0:
+            print(f"[lccn] memorisation guard: the noisy validation accuracy has been more "
+                  f"than {lc.guard_drop:g} below its best for {lc.guard_patience} epochs "
+                  f"(to epoch {at}); from epoch {epoch} on LCCN trains on "
+                  f"{self.cfg.targets} targets with prior_strength "
+                  f"{self.cfg.prior_strength:g}", flush=True)
+
     def begin_epoch(self, epoch: int, steps_per_epoch: int) -> None:
         if not self.in_noise_phase(epoch):
             return
+        self._guard(epoch)
         if self.labeler is None:
             o = self.run.optim
             self.labeler = self.engine.chain.labeler(
@@ -174,7 +206,8 @@ class LCCN(Method):
 
     def epoch_stats(self) -> dict[str, float]:
         return {"staleness_max": float(getattr(self.labeler, "max_staleness", 0))
-                if self.labeler is not None else 0.0}
+                if self.labeler is not None else 0.0,
+                "guarded": float(self.guarded_at is not None)}
 
     def observe_chain(self, state: dict | None, *, epoch: int,
                       row: dict[str, float] | None) -> dict[str, float]:
