@@ -920,3 +920,42 @@ def test_each_worker_reserves_its_cpus_with_a_gpu_too():
     assert scaling._resources_per_worker_not_none == {"CPU": 10.0, "GPU": 1.0}
     with pytest.raises(ValueError, match="cpus_per_worker must be > 0"):
         worker_resources(True, 0)
+
+
+def test_a_worker_dead_at_its_groups_start_resubmits_the_run_within_max_failures(capfd):
+    """Ray Train 2.60 ends a run with a non-retryable ControllerError when a worker dies
+    while the controller launches the training function on a (re)started group (the soak
+    hit it); fit_resubmitting submits the run again (which resumes from its checkpoint)
+    up to max_failures times, and raises every other failure at once."""
+    import ray.exceptions
+    import ray.train
+
+    from pipeline.dist.ray_train import died_while_starting, fit_resubmitting
+
+    dead = ray.train.ControllerError(ray.exceptions.ActorDiedError())
+    other = ray.train.ControllerError(ValueError("a bad scaling config"))
+    assert died_while_starting(dead) and not died_while_starting(other)
+    assert not died_while_starting(ray.exceptions.ActorDiedError())
+
+    class Trainer:
+        def __init__(self, outcomes: list) -> None:
+            self.outcomes = outcomes
+
+        def fit(self):
+            out = self.outcomes.pop(0)
+            if isinstance(out, BaseException):
+                raise out
+            return out
+
+    outcomes = [dead, dead, "result"]
+    assert fit_resubmitting(lambda: Trainer(outcomes), max_failures=2) == "result"
+    assert "submitting it again (2 of 2)" in capfd.readouterr().out
+    outcomes = [dead, dead, "result"]
+    with pytest.raises(ray.train.ControllerError):
+        fit_resubmitting(lambda: Trainer(outcomes), max_failures=1)
+    assert outcomes == ["result"]  # two submissions: the first and one more
+    outcomes = [other, "result"]
+    with pytest.raises(ray.train.ControllerError, match="a bad scaling config"):
+        fit_resubmitting(lambda: Trainer(outcomes), max_failures=5)
+    outcomes = [dead] * 4 + ["result"]
+    assert fit_resubmitting(lambda: Trainer(outcomes), max_failures=-1) == "result"

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -349,6 +350,98 @@ def worker_resources(use_gpu: bool, cpus_per_worker: float) -> dict[str, float]:
     return {"CPU": float(cpus_per_worker), **({"GPU": 1.0} if use_gpu else {})}
 
 
+def placement_group_keeper() -> Any:
+    """A Ray Train controller callback that removes the placement group of a worker group
+    the controller started but never shut down, when the controller ends.
+
+    Ray Train (2.60) leaks it in one case: a worker that dies while the controller launches
+    the training function on a just-started group (see :func:`died_while_starting`). The
+    group's actors were made, so its placement group holds their CPUs; the launch fails
+    outside the code that would shut the group down, the controller ends with an error,
+    and its placement-group cleaner is stopped by the controller's own shutdown. The run
+    submitted again then waits for those CPUs forever (seen on 2 CPUs in the soak). The
+    callback tracks the group started last and forgets it once the controller shuts it
+    down; what is left at the controller's end is removed."""
+    import ray.util
+    from ray.train.v2._internal.execution.callback import (
+        ControllerCallback,
+        WorkerGroupCallback,
+    )
+
+    class PlacementGroupKeeper(ControllerCallback, WorkerGroupCallback):
+        def __init__(self) -> None:
+            self._pg: Any = None
+
+        def after_worker_group_start(self, worker_group: Any) -> None:
+            state = worker_group.get_worker_group_state()
+            self._pg = state.placement_group_handle.placement_group
+
+        def after_worker_group_shutdown(self, worker_group_context: Any) -> None:
+            self._pg = None
+
+        def after_worker_group_abort(self, worker_group_context: Any) -> None:
+            self._pg = None
+
+        def _remove(self) -> None:
+            pg, self._pg = self._pg, None
+            if pg is None:
+                return
+            try:
+                state = ray.util.placement_group_table(pg).get("state")
+                if state not in (None, "REMOVED"):
+                    ray.util.remove_placement_group(pg)
+                    print(f"removed the placement group {pg.id.hex()} of a worker group the "
+                          f"controller did not shut down", file=sys.__stdout__, flush=True)
+            except Exception as e:  # noqa: BLE001 - best effort at the controller's end
+                print(f"could not remove placement group {pg.id.hex()}: {e}",
+                      file=sys.__stdout__, flush=True)
+
+        async def before_controller_shutdown(self) -> None:
+            self._remove()
+
+        def after_controller_finish(self, result: Any) -> None:
+            self._remove()
+
+    return PlacementGroupKeeper()
+
+
+def died_while_starting(error: BaseException) -> bool:
+    """Whether ``error`` is Ray Train's controller giving up on a worker that died while
+    its group was being started: a ``ControllerError`` around a ``RayActorError``.
+
+    Ray Train (2.60) retries a worker group that fails to *initialise*, but a worker that
+    dies in the moment after, while the controller launches the training function on the
+    group, ends the whole run as a non-retryable controller error whatever
+    ``max_failures`` says. The soak (``benchmarks/bench_soak.py``) hit it: one kill of a
+    worker as its group restarted after an earlier kill."""
+    import ray.exceptions
+    import ray.train
+
+    return (isinstance(error, ray.train.ControllerError)
+            and isinstance(getattr(error, "controller_failure", None),
+                           ray.exceptions.RayActorError))
+
+
+def fit_resubmitting(make_trainer: Callable[[], Any], *, max_failures: int) -> Any:
+    """``make_trainer().fit()``; when Ray Train gives up on a worker that died while its
+    group was starting (:func:`died_while_starting`), submit the run again under the same
+    name and storage, which resumes it from its newest checkpoint as any restart does, up
+    to ``max_failures`` times (-1: without limit). Any other failure is raised."""
+    resubmitted = 0
+    while True:
+        try:
+            return make_trainer().fit()
+        except Exception as e:  # noqa: BLE001 - re-raised unless it is the startup death
+            if not died_while_starting(e) or (0 <= max_failures <= resubmitted):
+                raise
+            resubmitted += 1
+            cause = str(getattr(e, "controller_failure", e)).splitlines()[0]
+            print(f"Ray Train stopped the run on a worker that died while its group started "
+                  f"({cause}); submitting it again ({resubmitted} of "
+                  f"{'unlimited' if max_failures < 0 else max_failures}): it resumes from "
+                  f"its newest checkpoint", file=sys.__stdout__, flush=True)
+
+
 def fit_distributed(run: RunConfig, dist: DistConfig, view: LabelView, *,
                     max_failures: int = 1, threads_per_worker: int | None = None,
                     cpus_per_worker: float = 1.0,
@@ -402,19 +495,22 @@ def fit_distributed(run: RunConfig, dist: DistConfig, view: LabelView, *,
               "namespace": ray.get_runtime_context().namespace, "threads": threads,
               "fault": fault,
               "keys": None if sample_keys is None else ray.put(list(sample_keys))}
-    trainer = TorchTrainer(
-        train_loop_per_worker, train_loop_config=config,
-        scaling_config=ray.train.ScalingConfig(
-            num_workers=dist.num_workers, use_gpu=dist.use_gpu,
-            resources_per_worker=worker_resources(dist.use_gpu, cpus_per_worker)),
-        torch_config=TorchConfig(backend="nccl" if dist.use_gpu else "gloo"),
-        run_config=ray.train.RunConfig(
-            name=dist.run_name, storage_path=str(Path(dist.run_dir) / "train"),
-            failure_config=ray.train.FailureConfig(max_failures=max_failures),
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
-            callbacks=list(callbacks or [])))
+
+    def make_trainer() -> Any:
+        return TorchTrainer(
+            train_loop_per_worker, train_loop_config=config,
+            scaling_config=ray.train.ScalingConfig(
+                num_workers=dist.num_workers, use_gpu=dist.use_gpu,
+                resources_per_worker=worker_resources(dist.use_gpu, cpus_per_worker)),
+            torch_config=TorchConfig(backend="nccl" if dist.use_gpu else "gloo"),
+            run_config=ray.train.RunConfig(
+                name=dist.run_name, storage_path=str(Path(dist.run_dir) / "train"),
+                failure_config=ray.train.FailureConfig(max_failures=max_failures),
+                checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
+                callbacks=[*(callbacks or []), placement_group_keeper()]))
+
     try:
-        result = trainer.fit()
+        result = fit_resubmitting(make_trainer, max_failures=max_failures)
         store_stats = ray.get(handle.stats.remote()) if handle is not None else None
     finally:
         for h in handles:
