@@ -30,6 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pipeline.core.cli import local_dir
 from pipeline.core.config import (
     BaselineConfig,
     DivideConfig,
@@ -313,7 +314,7 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
     g.add_argument("--run-name", default=None,
                    help="Ray Train / MLflow run name (default: <job>-<method>-<timestamp>, a new run); the same name "
                         "and run dir again resumes the run from its last checkpoint")
-    g.add_argument("--run-dir", type=Path, default=default_run_dir(job),
+    g.add_argument("--run-dir", type=local_dir, default=default_run_dir(job),
                    help="absolute run directory: Ray storage <run-dir>/train, MLflow store "
                         "<run-dir>/mlflow.db, smoke data (default $LCCN_RUNS/<job>, else "
                         "~/lccn_runs/<job>)")

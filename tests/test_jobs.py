@@ -809,3 +809,20 @@ def test_weights_reach_the_run_by_their_absolute_path(tmp_path, monkeypatch):
         _configs(clothing1m_lccn, ["--data", "/x", "--pretrained", "--weights", "nope.pth"])
     with pytest.raises(SystemExit, match="--weights is read with --pretrained"):
         _configs(clothing1m_lccn, ["--data", "/x", "--no-pretrained", "--weights", "w.pth"])
+
+
+def test_an_object_store_uri_as_run_or_sweep_dir_is_one_clear_line(capsys):
+    """``--run-dir s3://bucket/runs`` used to become the local folder ``<cwd>/s3:/bucket/runs``
+    without a word; the jobs and the sweep refuse a URI and name the shared file system."""
+    from tune import sweep
+
+    for parser, flag in ((cifar_lccn.get_args_parser(), "--run-dir"),
+                         (sweep.get_args_parser(), "--sweep-dir")):
+        with pytest.raises(SystemExit):
+            parser.parse_args([flag, "s3://bucket/runs"])
+        err = capsys.readouterr().err
+        assert (f"argument {flag}: s3://bucket/runs: the directory must be a path on a file "
+                f"system every node shares") in err
+        assert "s3:// object-store directories are not supported" in err
+    assert cifar_lccn.get_args_parser().parse_args(["--run-dir", "/mnt/runs"]).run_dir == \
+        Path("/mnt/runs")

@@ -51,6 +51,7 @@ from typing import Any
 
 from ray.tune import Callback
 
+from pipeline.core.cli import local_dir
 from pipeline.core.config import RunConfig
 from pipeline.core.options import apply_point
 from pipeline.dist.ray_train import release_orphaned_placement_groups
@@ -120,7 +121,7 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default=None,
                    help="sweep name (default sweep-<job>-<time>); an existing sweep of this "
                         "name under --sweep-dir is resumed")
-    p.add_argument("--sweep-dir", type=Path, default=None,
+    p.add_argument("--sweep-dir", type=local_dir, default=None,
                    help="absolute sweep folder (default $LCCN_RUNS/sweep, else ~/lccn_runs/sweep)")
     p.add_argument("--seed", type=int, default=0, help="seed of Tune's random search")
     add_tracking_options(p, store="<sweep-dir>")
