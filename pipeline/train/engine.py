@@ -198,6 +198,7 @@ class Engine:
             raise ValueError(f"method {run.method!r} needs a store client")
         self.members: list[Member] = self.method.build_members()
         self.history: list[dict[str, float]] = []
+        self._scaler_states: list[dict | None] = []  # set by _load: a checkpoint's loss scales
         # the learning rate the starting weights were last trained at (trained_lr)
         self.init_lr: float | None = None
         self.global_step = 0
@@ -297,6 +298,11 @@ class Engine:
                 m.ema_eval = wrap_model(m.ema, replace(perf, compile="off"), self.device,
                                         normalize=norm)
             m.scaler = grad_scaler(perf, self.device)  # float16 autocast only
+        # a resumed float16 run goes on with its checkpoint's loss scales (a fresh scaler
+        # starts at 2**16 and halves on every overflow until it finds the scale again)
+        for m, saved in zip(self.members, self._scaler_states):
+            if m.scaler is not None and saved:
+                m.scaler.load_state_dict(saved)
         if self.chain is not None:
             self.chain.open(state["store"] if state is not None else None, session)
         if self.options.tracking is not None and session.rank == 0:
@@ -345,6 +351,7 @@ class Engine:
             raise ValueError(f"checkpoint has {len(models)} networks; method "
                              f"{self.run.method!r} trains {len(self.members)}")
         emas = state.get("emas") or [None] * len(models)
+        self._scaler_states = list(state.get("scalers") or [])
         for m, ms, os_, ss, es in zip(self.members, models, optimizers, schedulers, emas):
             m.model.load_state_dict(ms)
             ours = [g["weight_decay"] for g in m.optimizer.param_groups]
@@ -550,6 +557,9 @@ class Engine:
             "optimizers": [m.optimizer.state_dict() for m in self.members],
             "schedulers": [m.scheduler.state_dict() for m in self.members],
             "emas": [m.ema.state_dict() if m.ema is not None else None for m in self.members],
+            # float16 autocast: each network's loss scale and its growth count
+            "scalers": [m.scaler.state_dict() if m.scaler is not None else None
+                        for m in self.members],
             "epoch": epoch, "batch": batch, "global_step": self.global_step,
             "store": chain_state, "mlflow_run_id": self.run_id, "history": self.history,
             "method_name": self.run.method, "k_latent": self.k_latent,
