@@ -15,7 +15,7 @@ against uninterrupted runs of the same configuration with seeds ``--seeds`` (the
 the soak's own seed): "within noise" means within the spread (max - min) of those runs of
 the same-seed run.
 
-    python benchmarks/bench_soak.py [--run-epochs 160] [--seeds 0 1 2]
+    python benchmarks/bench_soak.py [--run-epochs 260] [--seeds 0 1 2]
         [--results benchmarks/results/soak.md]
 
 ``--smoke`` runs a short check of the machinery (8 epochs, kills every 15-25 s, one
@@ -119,7 +119,7 @@ def describe(out: dict[str, Any]) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--run-epochs", type=int, default=160,
+    p.add_argument("--run-epochs", type=int, default=260,
                    help="epochs of every run (1 of them CE): long enough that the soak "
                         "trains for 10 minutes or more on the machine")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
