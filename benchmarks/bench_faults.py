@@ -90,7 +90,10 @@ def first_line(e: BaseException) -> str:
 # -- processes on this machine ----------------------------------------------------------------
 
 
-def ray_pids(title: str) -> list[int]:
+def ray_pids(title: str, *, under: int | None = None) -> list[int]:
+    """The pids of the processes whose title starts with ``title``; with ``under`` only
+    those descended from that pid (this session's raylet: another Ray on the machine, a
+    test suite's, is not touched)."""
     out = []
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
@@ -98,9 +101,31 @@ def ray_pids(title: str) -> list[int]:
                 cmd = (d / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
             except OSError:
                 continue
-            if cmd.startswith(title):
+            if cmd.startswith(title) and (under is None or _descends(int(d.name), under)):
                 out.append(int(d.name))
     return sorted(out)
+
+
+def _descends(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        pid = int(stat.rsplit(")", 1)[1].split()[1])  # the field after the state: ppid
+        if pid == ancestor:
+            return True
+    return False
+
+
+def raylet_pid() -> int | None:
+    """The pid of the raylet of the Ray this process started (None when it did not start
+    one)."""
+    from ray._private import worker
+
+    node = getattr(worker, "_global_node", None)
+    procs = (node.all_processes.get("raylet") or []) if node is not None else []
+    return procs[0].process.pid if procs else None
 
 
 def newest_step(root: Path) -> int:
@@ -121,6 +146,7 @@ class Killer(threading.Thread):
         super().__init__(daemon=True)
         self.root, self.plan, self.done = root, list(plan), []
         self.stop = threading.Event()
+        self.raylet = raylet_pid()  # only this Ray's processes are victims
 
     def run(self) -> None:
         for step, title in self.plan:
@@ -128,7 +154,7 @@ class Killer(threading.Thread):
                 time.sleep(0.1)
             if self.stop.is_set():
                 return
-            pids = ray_pids(title)
+            pids = ray_pids(title, under=self.raylet)
             if title == "ray::RayTrainWorker":
                 pids = pids[-1:]  # one worker
             for pid in pids:

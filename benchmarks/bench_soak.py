@@ -15,7 +15,7 @@ against uninterrupted runs of the same configuration with seeds ``--seeds`` (the
 the soak's own seed): "within noise" means within the spread (max - min) of those runs of
 the same-seed run.
 
-    python benchmarks/bench_soak.py [--run-epochs 260] [--seeds 0 1 2]
+    python benchmarks/bench_soak.py [--run-epochs 330] [--seeds 0 1 2]
         [--results benchmarks/results/soak.md]
 
 ``--smoke`` runs a short check of the machinery (8 epochs, kills every 15-25 s, one
@@ -56,11 +56,12 @@ class RandomKiller(threading.Thread):
         self.stop = threading.Event()
         self.done: list[dict[str, Any]] = []
         self.t0 = time.perf_counter()
+        self.raylet = faults.raylet_pid()  # only this Ray's processes are victims
 
     def run(self) -> None:
         while not self.stop.wait(self.rng.uniform(*self.every)):
             victim = self.rng.choice(sorted(VICTIMS))
-            pids = faults.ray_pids(VICTIMS[victim])
+            pids = faults.ray_pids(VICTIMS[victim], under=self.raylet)
             if victim == "worker":
                 pids = pids[-1:]
             at = time.perf_counter() - self.t0
@@ -119,7 +120,7 @@ def describe(out: dict[str, Any]) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--run-epochs", type=int, default=260,
+    p.add_argument("--run-epochs", type=int, default=330,
                    help="epochs of every run (1 of them CE): long enough that the soak "
                         "trains for 10 minutes or more on the machine")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],

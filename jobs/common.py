@@ -30,7 +30,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipeline.core.cli import local_dir
+from pipeline.core import storage
+from pipeline.core.cli import run_location
 from pipeline.core.config import (
     BaselineConfig,
     DivideConfig,
@@ -308,16 +309,39 @@ def default_run_dir(job: str) -> Path:
     return Path(os.environ.get("LCCN_RUNS", Path.home() / "lccn_runs")).expanduser().resolve() / job
 
 
+def normal_run_dir(run_dir: Path | str) -> Path | str:
+    """A run dir as the run uses it: an ``s3://`` prefix as given, a path made absolute."""
+    return run_dir if storage.is_remote(run_dir) else Path(run_dir).expanduser().resolve()
+
+
+def local_mirror(loc: str, job: str) -> Path:
+    """The local folder that stands in for an ``s3://`` run or sweep dir where a job writes
+    files of its own: ``$LCCN_RUNS/<job>/s3/<bucket>/<prefix>`` (else under ~/lccn_runs)."""
+    return default_run_dir(job) / "s3" / str(loc).split("://", 1)[1]
+
+
+def work_dir(args: argparse.Namespace, job: str) -> Path:
+    """The local folder for the files a job generates itself (the quickstart's digits
+    shards, --smoke-test's shards, converted images): the run dir, or for an ``s3://`` run
+    dir its :func:`local_mirror`."""
+    if storage.is_remote(args.run_dir):
+        return local_mirror(args.run_dir, job)
+    return normal_run_dir(args.run_dir)
+
+
 def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> None:
     """Options every job shares; recipe options default to ``preset`` (None = preset's)."""
     g = p.add_argument_group("run")
     g.add_argument("--run-name", default=None,
                    help="Ray Train / MLflow run name (default: <job>-<method>-<timestamp>, a new run); the same name "
                         "and run dir again resumes the run from its last checkpoint")
-    g.add_argument("--run-dir", type=local_dir, default=default_run_dir(job),
-                   help="absolute run directory: Ray storage <run-dir>/train, MLflow store "
-                        "<run-dir>/mlflow.db, smoke data (default $LCCN_RUNS/<job>, else "
-                        "~/lccn_runs/<job>)")
+    g.add_argument("--run-dir", type=run_location, default=default_run_dir(job),
+                   help="run directory on a file system every node shares, or "
+                        "s3://BUCKET/PREFIX (endpoint: --s3-endpoint-url, else "
+                        "AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL): checkpoints "
+                        "<run-dir>/train, results, the exported model; a local one also "
+                        "holds the MLflow store <run-dir>/mlflow.db and generated data "
+                        "(default $LCCN_RUNS/<job>, else ~/lccn_runs/<job>)")
     g.add_argument("--num-workers", type=int, default=2, help="Ray Train workers (DDP ranks)")
     g.add_argument("--gpu", action="store_true", help="one GPU per worker (nccl; autocast bf16, or fp16 with a grad scaler on GPUs without bf16)")
     g.add_argument("--cpus-per-worker", type=float, default=1.0)
@@ -561,7 +585,16 @@ def dist_config(args: argparse.Namespace, *, run_name: str, train: str, test: st
     if getattr(args, "sync_bn", False) and not args.gpu:
         raise SystemExit("error: --sync-bn needs --gpu (torch.nn.SyncBatchNorm has no CPU "
                          "kernel)")
-    run_dir = args.run_dir.expanduser().resolve()
+    run_dir = normal_run_dir(args.run_dir)
+    if storage.is_remote(run_dir) and not (args.no_tracking or args.tracking_uri
+                                           or os.environ.get("MLFLOW_TRACKING_URI")):
+        raise SystemExit(f"error: --run-dir {run_dir}: the default MLflow store is a sqlite "
+                         f"file in the run dir, which object storage cannot hold; pass "
+                         f"--tracking-uri (an MLflow server, or sqlite:////ABS/PATH/mlflow.db "
+                         f"on a shared disk) or --no-tracking")
+    problem = storage.check_bucket(run_dir, endpoint_url=args.s3_endpoint_url)
+    if problem:
+        raise SystemExit(f"error: {problem}")
     tracking = tracking_uri_of(args, run_dir)
     return DistConfig(
         run_name=run_name, run_dir=str(run_dir), train_source=train, test_source=test,
@@ -573,22 +606,24 @@ def dist_config(args: argparse.Namespace, *, run_name: str, train: str, test: st
         verify_checksums=args.verify_checksums, s3_endpoint_url=args.s3_endpoint_url,
         sync_bn=getattr(args, "sync_bn", False),
         export_model=bool(getattr(args, "export_model", True)) and not args.smoke_test,
-        init_from=_init_from(args, run_dir / "train" / run_name),
+        init_from=_init_from(args, storage.join(run_dir, "train", run_name),
+                             endpoint_url=args.s3_endpoint_url),
         progress_seconds=args.progress_seconds)
 
 
-def _init_from(args: argparse.Namespace, own_checkpoints: Path) -> str | None:
+def _init_from(args: argparse.Namespace, own_checkpoints: Path | str, *,
+               endpoint_url: str | None = None) -> str | None:
     """--init-from as the absolute path of the state file it names, checked before any
     worker starts (a wrong path is one line, not a failed run). A run that resumes from
     its own checkpoints ignores it, so then a path that no longer resolves is no error."""
     if not getattr(args, "init_from", None):
         return None
-    from pipeline.train.checkpoints import init_state_file
+    from pipeline.train.checkpoints import checkpoint_dirs, init_state_file
 
     try:
         path = str(init_state_file(args.init_from).resolve())
     except (OSError, ValueError) as e:
-        if any(own_checkpoints.glob("checkpoint_*")):
+        if checkpoint_dirs(own_checkpoints, endpoint_url=endpoint_url):
             return None  # resuming: the weights come from the run's own checkpoint
         raise SystemExit(str(e)) from None
     if args.pretrain_epochs:
@@ -862,22 +897,24 @@ def run_job(args: argparse.Namespace, *, job: str, run: RunConfig, dist: DistCon
     summary["metrics"] = measured(metrics)
     summary["label_issues"] = label_issue_report(state, view=view, dist=dist,
                                                  run_id=summary["mlflow_run_id"])
-    out_dir = Path(dist.run_dir) / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    results = storage.join(dist.run_dir, "results")
     summary["files"] = {}
-    for name, text in (out.get("files") or {}).items():  # LCCN*: outliers.csv
-        path = out_dir / f"{dist.run_name}-{name}"
-        path.write_text(text)
-        summary["files"][name] = str(path)
-        print(f"[{job}] {name}: {path}" + (f" ({_flagged(text)})" if name.startswith("outliers")
-                                           else ""), flush=True)
-    exported = Path(dist.export_path)
-    if dist.export_model and exported.is_file():
-        summary["files"]["model"] = str(exported)
-        print(f"[{job}] model: {exported} (torch.export; `lccn-predict {exported} IMAGES "
-              f"--out predictions.csv`)", flush=True)
-    (out_dir / f"{dist.run_name}.json").write_text(
-        json.dumps(json_safe(summary), indent=1, default=str, allow_nan=False))
+    with storage.staged(results, endpoint_url=dist.s3_endpoint_url) as out_dir:
+        for name, text in (out.get("files") or {}).items():  # LCCN*: outliers.csv
+            (out_dir / f"{dist.run_name}-{name}").write_text(text)
+            path = storage.join(results, f"{dist.run_name}-{name}")
+            summary["files"][name] = str(path)
+            print(f"[{job}] {name}: {path}" + (f" ({_flagged(text)})"
+                                               if name.startswith("outliers") else ""),
+                  flush=True)
+        exported = dist.export_path
+        if dist.export_model and storage.is_file(exported, endpoint_url=dist.s3_endpoint_url):
+            summary["files"]["model"] = str(exported)
+            print(f"[{job}] model: {exported} (torch.export; `lccn-predict {exported} IMAGES "
+                  f"--out predictions.csv`" + (", once downloaded" if storage.is_remote(exported)
+                                               else "") + ")", flush=True)
+        (out_dir / f"{dist.run_name}.json").write_text(
+            json.dumps(json_safe(summary), indent=1, default=str, allow_nan=False))
     return summary
 
 
@@ -888,10 +925,13 @@ def label_issue_report(state: dict[str, Any], *, view: LabelView, dist: DistConf
     ``label_issues/`` of the run; None for other methods."""
     from pipeline.track.label_issues import job_report
 
-    out = Path(dist.run_dir) / "label_issues" / dist.run_name
-    rep = job_report(state, clean=view.clean, train_source=dist.train_source,
-                     class_names=dist.class_names, out_dir=out,
-                     tracking_uri=dist.tracking_uri, run_id=run_id)
+    out = storage.join(dist.run_dir, "label_issues", dist.run_name)
+    with storage.staged(out, endpoint_url=dist.s3_endpoint_url) as local:
+        rep = job_report(state, clean=view.clean, train_source=dist.train_source,
+                         class_names=dist.class_names, out_dir=local,
+                         tracking_uri=dist.tracking_uri, run_id=run_id)
+    if rep is not None and local != out:
+        rep["files"] = [str(storage.join(out, Path(f).name)) for f in rep["files"]]
     if rep is not None:
         flagged = rep["flagged_mislabelled"]
         lines = [f"label-issue report: {flagged} suspected mislabelled samples"
@@ -1005,7 +1045,7 @@ def prepare(args: argparse.Namespace, *, job: str, preset: Preset) -> list[str]:
         apply_smoke(args)
         fixed = [g for g in given if g in SMOKE_FIXED]
         log.append(f"[{job}] --smoke-test: 2 CPU workers, small_cnn, 3 epochs (1 CE), global "
-                   f"batch 64, tiny generated shards under {args.run_dir}/smoke-data"
+                   f"batch 64, tiny generated shards under {work_dir(args, job)}/smoke-data"
                    + (f" (these replace {_options(fixed)} from the command line)"
                       if fixed else ""))
     if args.run_name is None:  # a new run each time; pass --run-name to resume one
@@ -1017,7 +1057,7 @@ def prepare(args: argparse.Namespace, *, job: str, preset: Preset) -> list[str]:
                        f"line (the preset itself: {rec.note})")
         else:
             log.append(f"[{job}] preset {rec.name}: {rec.note}")
-    args.run_dir = args.run_dir.expanduser().resolve()
+    args.run_dir = normal_run_dir(args.run_dir)
     return log
 
 
@@ -1086,7 +1126,7 @@ def dataset_setup(args: argparse.Namespace, *, job: str, preset: Preset, smoke: 
     configs (nothing is trained)."""
     log = prepare(args, job=job, preset=preset) + list(extra_log or [])
     if args.smoke_test:
-        out = args.run_dir / "smoke-data" / smoke.dataset
+        out = work_dir(args, job) / "smoke-data" / smoke.dataset
         train_dir, test_dir = write_synthetic_shards(
             out, dataset=smoke.dataset, num_classes=smoke.num_classes, size=smoke.size,
             n_train=smoke.n_train, n_test=smoke.n_test, seed=args.seed,

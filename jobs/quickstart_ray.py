@@ -138,7 +138,7 @@ def prepare_run(args: argparse.Namespace) -> common.JobRun:
     if args.smoke_test:
         log = [f"[{JOB}] --smoke-test: 2 CPU workers, 3 epochs (1 CE), global batch 64, "
                f"a checkpoint every {args.checkpoint_every} steps"]
-    data = args.run_dir / "data" / f"digits-seed{args.seed}"
+    data = common.work_dir(args, JOB) / "data" / f"digits-seed{args.seed}"
     train, test = write_digits_shards(data, seed=args.seed)
     view = digits_view(train, rate=args.rate, seed=args.seed)
     trusted = common.trusted_spec(args)

@@ -130,7 +130,7 @@ def prepare_data(args: argparse.Namespace, root: Path | None = None) -> list[str
     test_src = args.test_images.expanduser().resolve() if args.test_images else None
     if test_src is not None and not test_src.is_dir():
         raise SystemExit(f"error: --test-images {test_src}: no such folder")
-    base = Path(root) if root is not None else args.run_dir
+    base = Path(root) if root is not None else common.work_dir(args, JOB)
     out = (args.shards_out or base / "data" /
            f"{src.stem}-{_digest(src, test_src, args.resize_short)}").expanduser().resolve()
     rows = None
@@ -199,7 +199,7 @@ def prepare_data(args: argparse.Namespace, root: Path | None = None) -> list[str
 def prepare_run(args: argparse.Namespace) -> common.JobRun:
     """Parsed arguments -> the run's configs and label view (the data converted first,
     nothing trained yet)."""
-    args.run_dir = args.run_dir.expanduser().resolve()
+    args.run_dir = common.normal_run_dir(args.run_dir)
     log = [] if args.smoke_test else prepare_data(args)
     if args.image_size is None:
         args.image_size = SMOKE_IMAGE_SIZE if args.smoke_test else 224

@@ -4,61 +4,84 @@ folders are removed: the newest complete one wins, also when Ray Train never reg
 
 from __future__ import annotations
 
+import io
 import json
-from pathlib import Path
 
+import pytest
 import torch
 
+from pipeline.core import storage
+from pipeline.data import s3
 from pipeline.train.checkpoints import (
     META_FILE,
     STATE_FILE,
+    checkpoint_dirs,
+    load_state,
     newest_complete_checkpoint,
     prune_checkpoints,
 )
 
 
-def _write(root: Path, name: str, step: int, *, truncate: bool = False) -> Path:
-    d = root / name
-    d.mkdir(parents=True)
-    torch.save({"global_step": step, "model": {"w": torch.arange(1000.0)}}, d / STATE_FILE)
+@pytest.fixture(params=["local", "s3"])
+def root(request, tmp_path, monkeypatch):
+    """A run's checkpoint folder: on disk, or a prefix in a moto S3 bucket (the endpoint
+    from the environment, as on a cluster node)."""
+    if request.param == "local":
+        return tmp_path
+    url = request.getfixturevalue("moto_url")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", url)
+    bucket = f"ckpt-{request.node.name.split('[')[0][-40:].replace('_', '-')}"
+    s3.client(endpoint_url=url).create_bucket(Bucket=bucket)
+    return f"s3://{bucket}/runs/train/r"
+
+
+def _write(root, name: str, step: int, *, truncate: bool = False) -> None:
+    buf = io.BytesIO()
+    torch.save({"global_step": step, "model": {"w": torch.arange(1000.0)}}, buf)
+    raw = buf.getvalue()
     if truncate:  # the failure hit while the folder was being written
-        raw = (d / STATE_FILE).read_bytes()
-        (d / STATE_FILE).write_bytes(raw[: len(raw) // 2])
-    (d / META_FILE).write_text(json.dumps({"global_step": step}))
-    return d
+        raw = raw[: len(raw) // 2]
+    storage.write_bytes(storage.join(root, name, STATE_FILE), raw)
+    storage.write_text(storage.join(root, name, META_FILE), json.dumps({"global_step": step}))
 
 
-def _snapshot(root: Path, names: list[str]) -> None:
-    (root / "checkpoint_manager_snapshot.json").write_text(json.dumps(
+def _snapshot(root, names: list[str]) -> None:
+    storage.write_text(storage.join(root, "checkpoint_manager_snapshot.json"), json.dumps(
         {"checkpoint_results": [{"checkpoint_dir_name": n, "metrics": {}} for n in names]}))
 
 
-def test_newest_complete_checkpoint_wins_over_the_registered_one(tmp_path):
-    _write(tmp_path, "checkpoint_a", 250)
-    _write(tmp_path, "checkpoint_b", 260)
-    _write(tmp_path, "checkpoint_c", 270)
-    _write(tmp_path, "checkpoint_d", 280)
-    _write(tmp_path, "checkpoint_e", 290, truncate=True)
-    (tmp_path / "checkpoint_f").mkdir()  # no meta.json at all
-    _snapshot(tmp_path, ["checkpoint_a", "checkpoint_b"])  # Ray knows up to step 260
-    assert newest_complete_checkpoint(tmp_path).name == "checkpoint_d"
-    assert newest_complete_checkpoint(tmp_path / "missing") is None
+def _left(root) -> list[str]:
+    return [storage.name(d) for d in checkpoint_dirs(root)]
 
 
-def test_prune_removes_what_ray_does_not_manage_but_keeps_the_resume_point(tmp_path):
+def test_newest_complete_checkpoint_wins_over_the_registered_one(root):
+    _write(root, "checkpoint_a", 250)
+    _write(root, "checkpoint_b", 260)
+    _write(root, "checkpoint_c", 270)
+    _write(root, "checkpoint_d", 280)
+    _write(root, "checkpoint_e", 290, truncate=True)
+    storage.write_text(storage.join(root, "checkpoint_f", "other.txt"), "")  # no meta.json
+    _snapshot(root, ["checkpoint_a", "checkpoint_b"])  # Ray knows up to step 260
+    newest = newest_complete_checkpoint(root)
+    assert storage.name(newest) == "checkpoint_d" and type(newest) is type(root)
+    assert load_state(newest)["global_step"] == 280
+    assert newest_complete_checkpoint(storage.join(root, "missing")) is None
+
+
+def test_prune_removes_what_ray_does_not_manage_but_keeps_the_resume_point(root):
     for name, step in (("checkpoint_a", 250), ("checkpoint_b", 260), ("checkpoint_c", 270),
                        ("checkpoint_d", 280)):
-        _write(tmp_path, name, step)
-    _write(tmp_path, "checkpoint_e", 290, truncate=True)
-    _write(tmp_path, "checkpoint_old", 100)  # an orphan older than every registered one
-    _snapshot(tmp_path, ["checkpoint_a", "checkpoint_b"])
-    deleted = prune_checkpoints(tmp_path)
+        _write(root, name, step)
+    _write(root, "checkpoint_e", 290, truncate=True)
+    _write(root, "checkpoint_old", 100)  # an orphan older than every registered one
+    _snapshot(root, ["checkpoint_a", "checkpoint_b"])
+    deleted = prune_checkpoints(root)
     assert sorted(deleted) == ["checkpoint_c", "checkpoint_e", "checkpoint_old"]
-    left = sorted(p.name for p in tmp_path.glob("checkpoint_*") if p.is_dir())
-    assert left == ["checkpoint_a", "checkpoint_b", "checkpoint_d"]  # d: the resume point
+    assert _left(root) == ["checkpoint_a", "checkpoint_b", "checkpoint_d"]  # d: resume point
     # once the run registers a newer checkpoint, the former resume point is an orphan
-    _write(tmp_path, "checkpoint_g", 300)
-    _snapshot(tmp_path, ["checkpoint_b", "checkpoint_g"])
-    assert prune_checkpoints(tmp_path) == ["checkpoint_a", "checkpoint_d"]
+    _write(root, "checkpoint_g", 300)
+    _snapshot(root, ["checkpoint_b", "checkpoint_g"])
+    assert prune_checkpoints(root) == ["checkpoint_a", "checkpoint_d"]
+    assert _left(root) == ["checkpoint_b", "checkpoint_g"]
     # no snapshot yet (nothing reported): nothing is touched
-    assert prune_checkpoints(tmp_path / "none") == []
+    assert prune_checkpoints(storage.join(root, "none")) == []

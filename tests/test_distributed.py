@@ -873,30 +873,57 @@ def test_lccn_star_plus_on_ray_exports_outliers_and_keeps_the_trusted_set_out_of
 
 
 @pytest.mark.ray
-def test_one_worker_killed_mid_epoch_resumes_bit_identical(ray_cluster, tmp_path):
-    """On real Ray: the single worker dies (os._exit, as after SIGKILL) mid-epoch in LCCN
-    epoch 2 (19 steps an epoch: 1,195 training digits, batch 64); the group restarts from
-    the checkpoint at step 48 and the run ends with the same model, z, C and store version
-    as an uninterrupted run with the same seed."""
-    from pipeline.train.checkpoints import load_state
+def test_a_run_in_object_storage_killed_mid_epoch_resumes_bit_identical(ray_cluster, moto_url,
+                                                                        tmp_path):
+    """On real Ray, with the run dir in S3-compatible object storage (a moto server): the
+    single worker dies (os._exit, as after SIGKILL) mid-epoch in LCCN epoch 2 (19 steps an
+    epoch: 1,195 training digits, batch 64) and the run fails (--max-failures 0); the same
+    command again finds its checkpoints in the bucket (Ray Train's registry and the newest
+    complete one, step 48), resumes there and ends with the same model, z, C and store
+    version as an uninterrupted run on a local disk with the same seed. Results, the
+    exported model and the injected-failure marker are in the bucket; the bucket keeps
+    the checkpoints Ray Train manages and no others."""
+    import ray.train
 
+    from pipeline.core import storage
+    from pipeline.data import s3
+    from pipeline.train.checkpoints import checkpoint_dirs, load_state
+
+    s3.client(endpoint_url=moto_url).create_bucket(Bucket="runs")
     args = ["--epochs", "4", "--pretrain-epochs", "1", "--batch-size", "64", "--lr", "0.05",
             "--milestones", "--lr-values", "--warmup-steps", "5", "--loader-workers", "0",
             "--shuffle-buffer", "100", "--checkpoint-every", "8", "--num-workers", "1",
             "--no-tracking", "--no-baseline"]
     ref = quickstart_ray.main(["--run-dir", str(tmp_path / "a"), "--run-name", "ref", *args])
-    hit = quickstart_ray.main(["--run-dir", str(tmp_path / "b"), "--run-name", "hit", *args,
-                               "--max-failures", "1", "--inject-failure", "0:50:exit"])
-    assert (tmp_path / "b" / ".injected-failure-r0-s50-exit").is_file()
+    remote = ["--run-dir", "s3://runs/team/b/", "--s3-endpoint-url", moto_url,
+              "--run-name", "hit", *args, "--max-failures", "0"]
+    with pytest.raises(ray.train.TrainingFailedError):
+        quickstart_ray.main([*remote, "--inject-failure", "0:50:exit"])
+    root = "s3://runs/team/b"
+    assert storage.is_file(f"{root}/.injected-failure-r0-s50-exit", endpoint_url=moto_url)
+    assert checkpoint_dirs(f"{root}/train/hit", endpoint_url=moto_url), "nothing saved"
+    hit = quickstart_ray.main([*remote, "--inject-failure", "0:50:exit"])  # fired already
     assert (hit["metrics"]["resumed_epoch"], hit["metrics"]["resumed_batch"]) == (2, 10)
-    a, b = load_state(ref["checkpoint"]), load_state(hit["checkpoint"])
+    assert hit["checkpoint"].startswith(f"{root}/train/hit/checkpoint_")
+    a, b = load_state(ref["checkpoint"]), load_state(hit["checkpoint"], endpoint_url=moto_url)
     assert a["global_step"] == b["global_step"] == 4 * 19
     for key in a["model"]:
         assert torch.equal(a["model"][key], b["model"][key]), key
     for key in ("z", "counts"):
         assert torch.equal(a["store"][key], b["store"][key]), key
     assert a["store"]["steps"] == b["store"]["steps"] == 3 * 19 + 1
-    assert ref["store"]["refused"] == 0 and hit["store"]["opened"] == 2
+    assert ref["store"]["refused"] == 0
+    # the run's files are in the bucket, nothing of it on this machine's disk
+    assert json.loads(storage.read_text(f"{root}/results/hit.json", endpoint_url=moto_url)
+                      )["global_step"] == 4 * 19
+    assert hit["files"]["model"] == f"{root}/models/hit.pt2"
+    assert storage.is_file(f"{root}/models/hit.pt2", endpoint_url=moto_url)
+    assert storage.is_file(f"{root}/models/hit.json", endpoint_url=moto_url)
+    kept = [storage.name(d) for d in checkpoint_dirs(f"{root}/train/hit", endpoint_url=moto_url)]
+    snap = json.loads(storage.read_text(f"{root}/train/hit/checkpoint_manager_snapshot.json",
+                                        endpoint_url=moto_url))
+    assert sorted(kept) == sorted(r["checkpoint_dir_name"] for r in snap["checkpoint_results"])
+    assert len(kept) <= 2  # CheckpointConfig.num_to_keep
 
 
 def test_packed_wire_format_round_trips_a_push():
@@ -975,3 +1002,36 @@ def test_a_worker_dead_at_its_groups_start_resubmits_the_run_within_max_failures
         fit_resubmitting(lambda: Trainer(outcomes), max_failures=5)
     outcomes = [dead] * 4 + ["result"]
     assert fit_resubmitting(lambda: Trainer(outcomes), max_failures=-1) == "result"
+
+
+def test_the_fault_benchmarks_kill_only_the_processes_of_their_own_ray():
+    """bench_faults / bench_soak pick victims by process title; with ``under`` (their
+    raylet) a process of the same title elsewhere on the machine (another Ray, a test
+    suite's) is not one. Here: a child of this process against an orphaned one."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_faults
+
+    title = "lccn-victim-test"  # argv[0] of both sleepers
+    sleep = "import time; time.sleep(60)"
+    mine = subprocess.Popen([title, "-c", sleep], executable=sys.executable)
+    subprocess.run(["bash", "-c", f"(exec -a {title} {sys.executable} -c '{sleep}' "
+                                  f">/dev/null 2>&1 &)"], check=True)
+    try:
+        deadline = time.monotonic() + 10
+        while len(bench_faults.ray_pids(title)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        every = bench_faults.ray_pids(title)
+        assert mine.pid in every and len(every) == 2
+        assert bench_faults.ray_pids(title, under=os.getpid()) == [mine.pid]
+    finally:
+        for pid in bench_faults.ray_pids(title):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        mine.wait()

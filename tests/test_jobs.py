@@ -811,18 +811,37 @@ def test_weights_reach_the_run_by_their_absolute_path(tmp_path, monkeypatch):
         _configs(clothing1m_lccn, ["--data", "/x", "--no-pretrained", "--weights", "w.pth"])
 
 
-def test_an_object_store_uri_as_run_or_sweep_dir_is_one_clear_line(capsys):
-    """``--run-dir s3://bucket/runs`` used to become the local folder ``<cwd>/s3:/bucket/runs``
-    without a word; the jobs and the sweep refuse a URI and name the shared file system."""
+def test_an_unsupported_uri_as_run_or_sweep_dir_is_one_clear_line(capsys):
+    """``--run-dir gs://bucket/runs`` used to become the local folder ``<cwd>/gs:/bucket/runs``
+    without a word; an s3:// prefix is taken as it is, another scheme is refused naming it."""
     from tune import sweep
 
     for parser, flag in ((cifar_lccn.get_args_parser(), "--run-dir"),
                          (sweep.get_args_parser(), "--sweep-dir")):
         with pytest.raises(SystemExit):
-            parser.parse_args([flag, "s3://bucket/runs"])
+            parser.parse_args([flag, "gs://bucket/runs"])
         err = capsys.readouterr().err
-        assert (f"argument {flag}: s3://bucket/runs: the directory must be a path on a file "
-                f"system every node shares") in err
-        assert "s3:// object-store directories are not supported" in err
+        assert (f"argument {flag}: gs://bucket/runs: gs:// is not supported for a run "
+                f"directory; use s3://BUCKET/PREFIX") in err
+        with pytest.raises(SystemExit):
+            parser.parse_args([flag, "s3://"])
+        assert "an s3 location needs a bucket" in capsys.readouterr().err
+        assert getattr(parser.parse_args([flag, "s3://bucket/runs/"]),
+                       flag[2:].replace("-", "_")) == "s3://bucket/runs"
     assert cifar_lccn.get_args_parser().parse_args(["--run-dir", "/mnt/runs"]).run_dir == \
         Path("/mnt/runs")
+
+
+def test_a_run_dir_in_object_storage_needs_a_tracking_store_and_a_bucket(tmp_path, moto_url,
+                                                                         monkeypatch):
+    """The default MLflow store (sqlite in the run dir) cannot live in a bucket: one line
+    before anything runs; a missing bucket is one line too, before Ray starts."""
+    monkeypatch.setenv("LCCN_RUNS", str(tmp_path))
+    base = ["--run-dir", "s3://no-such-bucket/runs", "--s3-endpoint-url", moto_url,
+            "--smoke-test", "--no-baseline"]
+    with pytest.raises(SystemExit, match="the default MLflow store is a sqlite file in the run "
+                                         "dir, which object storage cannot hold"):
+        quickstart_ray.main(base)
+    with pytest.raises(SystemExit, match="s3://no-such-bucket/runs: no bucket 'no-such-bucket'"):
+        quickstart_ray.main([*base, "--no-tracking"])
+    assert not list(tmp_path.rglob("checkpoint_*"))

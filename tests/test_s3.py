@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import logging
 import socket
-import subprocess
 import sys
 import threading
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,35 +25,6 @@ from pipeline.data.stream import LoaderConfig, make_eval_loader, make_train_load
 
 CFG = LoaderConfig(batch_size=8, num_workers=0, shuffle_buffer=16, seed=3, preset="cifar",
                    chunk_size=4, http_timeout_s=10.0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def moto_url():
-    """A moto S3 server in its own process on 127.0.0.1; yields its endpoint URL."""
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            break
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"moto server did not start: {proc.stderr.read().decode()[-2000:]}")
-            time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 @pytest.fixture(autouse=True)

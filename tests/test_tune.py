@@ -14,6 +14,7 @@ import time
 import pytest
 from ray import tune as ray_tune
 
+from pipeline.core import storage
 from pipeline.core.config import RunConfig
 from pipeline.core.options import apply_point
 from tune import results, trial
@@ -373,25 +374,39 @@ class InterruptAfter(ray_tune.Callback):
 
 
 @pytest.fixture(scope="module")
-def interrupted_sweep(tmp_path_factory):
+def interrupted_sweep(tmp_path_factory, moto_url):
     """3 trials of the digits smoke (3 epochs, 1 CE) under ASHA (grace 1 epoch, factor 2):
     the second has a learning rate too small to learn anything in an epoch, so ASHA stops it
     at the first rung. The sweep is interrupted after two trials complete and then run
-    again with the same command."""
+    again with the same command. Its sweep dir is in S3-compatible object storage (a moto
+    server): Tune's state, every trial's checkpoints and results, the table."""
+    from pipeline.data import s3
     from tune import sweep
 
     d = tmp_path_factory.mktemp("sweep")
+    s3.client(endpoint_url=moto_url).create_bucket(Bucket="sweeps")
+    root = "s3://sweeps/team/sw"
     space = d / "space.json"
     space.write_text(json.dumps({"lccn.alpha": {"loguniform": [0.01, 1000.0]},
                                  "optim.lr": {"grid": [0.05, 1e-6, 0.05]}}))
     uri = f"sqlite:///{d}/mlflow.db"
-    argv = ["--smoke-test", "--num-samples", "1", "--space", str(space), "--sweep-dir", str(d),
-            "--name", "t", "--seed", "1", "--tracking-uri", uri]
-    first = sweep.main(argv, callbacks=[InterruptAfter(2, d / "starts.log", d / "marker")])
-    events_first = (d / "starts.log").read_text().split()
-    second = sweep.main(argv)
-    return {"dir": d, "uri": uri, "first": first, "second": second,
-            "events_first": events_first, "events": (d / "starts.log").read_text().split()}
+    argv = ["--smoke-test", "--num-samples", "1", "--space", str(space), "--sweep-dir", root,
+            "--name", "t", "--seed", "1", "--tracking-uri", uri,
+            "--", "--s3-endpoint-url", moto_url]
+    old = os.environ.get("LCCN_RUNS")
+    os.environ["LCCN_RUNS"] = str(d / "local")  # the smoke shards the trials generate
+    try:
+        first = sweep.main(argv, callbacks=[InterruptAfter(2, d / "starts.log", d / "marker")])
+        events_first = (d / "starts.log").read_text().split()
+        second = sweep.main(argv)
+    finally:
+        if old is None:
+            os.environ.pop("LCCN_RUNS")
+        else:
+            os.environ["LCCN_RUNS"] = old
+    return {"dir": d, "root": root, "endpoint": moto_url, "uri": uri, "first": first,
+            "second": second, "events_first": events_first,
+            "events": (d / "starts.log").read_text().split()}
 
 
 def test_sweep_reports_every_epoch_and_asha_stops_the_weak_trial(interrupted_sweep):
@@ -408,7 +423,9 @@ def test_sweep_reports_every_epoch_and_asha_stops_the_weak_trial(interrupted_swe
     # per-epoch results reached Tune: the finished trial's progress has epochs 1, 2, 3
     from ray.tune import ExperimentAnalysis
 
-    ana = ExperimentAnalysis(str(interrupted_sweep["dir"] / "tune" / "t"))
+    fs, path = storage.filesystem(f"{interrupted_sweep['root']}/tune/t",
+                                  endpoint_url=interrupted_sweep["endpoint"])
+    ana = ExperimentAnalysis(path, storage_filesystem=fs)
     df = ana.trial_dataframes
     first = next(r for r in finished)
     trial_df = next(v for k, v in df.items() if k.endswith(first["trial_id"]))
@@ -429,8 +446,9 @@ def test_sweep_ranks_by_noisy_validation(interrupted_sweep):
     assert out["best_test_top1"] == ranked[0][REPORTED_BESIDE]
     # the value ranked is the trial's own best noisy-validation epoch from its Train run
     best = ranked[0]
-    summary = json.loads((interrupted_sweep["dir"] / "trials" / best["trial_id"] / "results"
-                          / f"{best['trial_id']}.json").read_text())
+    summary = json.loads(storage.read_text(
+        f"{interrupted_sweep['root']}/trials/{best['trial_id']}/results/{best['trial_id']}.json",
+        endpoint_url=interrupted_sweep["endpoint"]))
     assert summary["selected"]["val_top1"] == pytest.approx(best[METRIC])
     assert summary["selected"]["test_top1"] == pytest.approx(best[REPORTED_BESIDE])
 
@@ -439,6 +457,11 @@ def test_restored_sweep_runs_only_the_missing_trials(interrupted_sweep):
     first, second = interrupted_sweep["first"], interrupted_sweep["second"]
     assert not first["complete"] and not first["restored"]
     assert second["complete"] and second["restored"]
+    root, endpoint = interrupted_sweep["root"], interrupted_sweep["endpoint"]
+    assert second["table"] == f"{root}/t/results.md"  # the table and the summary: in the bucket
+    assert "| 1 |" in storage.read_text(second["table"], endpoint_url=endpoint)
+    assert json.loads(storage.read_text(f"{root}/t.json", endpoint_url=endpoint)
+                      )["best_metric"] == second["best_metric"]
     events, n_first = interrupted_sweep["events"], len(interrupted_sweep["events_first"])
     done_before = {e.split(":")[1] for e in events[:n_first] if e.startswith("complete:")}
     started_again = {e.split(":")[1] for e in events[n_first:] if e.startswith("start:")}

@@ -45,13 +45,15 @@ import copy
 import functools
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 from ray.tune import Callback
 
-from pipeline.core.cli import local_dir
+from pipeline.core import storage
+from pipeline.core.cli import run_location
 from pipeline.core.config import RunConfig
 from pipeline.core.options import apply_point
 from pipeline.dist.ray_train import release_orphaned_placement_groups
@@ -121,8 +123,12 @@ def get_args_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default=None,
                    help="sweep name (default sweep-<job>-<time>); an existing sweep of this "
                         "name under --sweep-dir is resumed")
-    p.add_argument("--sweep-dir", type=local_dir, default=None,
-                   help="absolute sweep folder (default $LCCN_RUNS/sweep, else ~/lccn_runs/sweep)")
+    p.add_argument("--sweep-dir", type=run_location, default=None,
+                   help="sweep folder on a file system every node shares, or "
+                        "s3://BUCKET/PREFIX (not with --scheduler pbt; endpoint: the job's "
+                        "--s3-endpoint-url, else AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL): "
+                        "Tune's state, each trial's run dir, the table (default "
+                        "$LCCN_RUNS/sweep, else ~/lccn_runs/sweep)")
     p.add_argument("--seed", type=int, default=0, help="seed of Tune's random search")
     add_tracking_options(p, store="<sweep-dir>")
     p.add_argument("--smoke-test", action="store_true",
@@ -416,14 +422,33 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
               f"samples of a grid point is the same run", flush=True)
     n_trials = expected_trials(space, num_samples)
     name = args.name or f"sweep-{args.job}-{time.strftime('%Y%m%d-%H%M%S')}"
-    sweep_dir = (args.sweep_dir or common.default_run_dir("sweep")).expanduser().resolve()
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    for line in prepare_job_data(args.job, job_args, sweep_dir):
+    sweep_dir = common.normal_run_dir(args.sweep_dir or common.default_run_dir("sweep"))
+    endpoint = getattr(job_args, "s3_endpoint_url", None)
+    if storage.is_remote(sweep_dir):
+        if args.scheduler == "pbt":
+            raise SystemExit(f"error: --sweep-dir {sweep_dir}: a PBT sweep hands checkpoints "
+                             f"between trials on a shared file system; give one, or use "
+                             f"--scheduler asha or fifo with object storage")
+        if not (args.no_tracking or args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")):
+            raise SystemExit(f"error: --sweep-dir {sweep_dir}: the default MLflow store is a "
+                             f"sqlite file in the sweep dir, which object storage cannot hold; "
+                             f"pass --tracking-uri or --no-tracking")
+        problem = storage.check_bucket(sweep_dir, endpoint_url=endpoint)
+        if problem:
+            raise SystemExit(f"error: {problem}")
+    else:
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+    # data a job converts once for every trial: on this machine's disk
+    local = common.local_mirror(sweep_dir, "sweep") if storage.is_remote(sweep_dir) else sweep_dir
+    for line in prepare_job_data(args.job, job_args, local):
         print(line, flush=True)
     tracking = tracking_uri_of(args, sweep_dir)
     experiment = f"lccn-sweep-{name}"
-    exp_path = sweep_dir / "tune" / name
-    restored = tune.Tuner.can_restore(str(exp_path))
+    tune_fs, tune_root = storage.filesystem(storage.join(sweep_dir, "tune"),
+                                            endpoint_url=endpoint)
+    tune_fs = tune_fs if storage.is_remote(sweep_dir) else None
+    exp_path = f"{tune_root}/{name}"
+    restored = tune.Tuner.can_restore(exp_path, storage_filesystem=tune_fs)
 
     tracker = None
     if tracking:
@@ -452,8 +477,9 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
               f"{args.scheduler} on {metric} ({mode}); in {sweep_dir}; MLflow "
               f"{redact_uri(tracking) or 'off'}", flush=True)
         if restored:
-            tuner = tune.Tuner.restore(str(exp_path), trainable=trainable,
-                                       resume_unfinished=True, resume_errored=True)
+            tuner = tune.Tuner.restore(exp_path, trainable=trainable,
+                                       resume_unfinished=True, resume_errored=True,
+                                       storage_filesystem=tune_fs)
         else:
             # max_t one past the last epoch: ASHA never stops a trial at its last epoch,
             # which would kill its Train run before it writes its final results
@@ -478,7 +504,8 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
                                                      max_concurrent=concurrent),
                     trial_name_creator=lambda t: t.trial_id,
                     trial_dirname_creator=lambda t: t.trial_id),
-                run_config=tune.RunConfig(name=name, storage_path=str(sweep_dir / "tune"),
+                run_config=tune.RunConfig(name=name, storage_path=tune_root,
+                                          storage_filesystem=tune_fs,
                                           # PBT: keep every trial checkpoint (a cloned one
                                           # must outlive the clone's restart)
                                           checkpoint_config=tune.CheckpointConfig(
@@ -491,7 +518,9 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
             ray.shutdown()
 
     complete = grid.num_terminated + grid.num_errors >= n_trials
-    rows = rank_trials(trial_records(grid, epochs=probe.epochs, sweep_dir=sweep_dir), metric)
+    rows = rank_trials(trial_records(grid, epochs=probe.epochs,
+                                     sweep_dir=None if storage.is_remote(sweep_dir) else sweep_dir),
+                       metric)
     best = rows[0] if rows and rows[0]["rank"] is not None else None
     out = {"name": name, "sweep_dir": str(sweep_dir), "metric": metric, "mode": mode,
            "complete": complete, "restored": restored, "expected_trials": n_trials,
@@ -513,22 +542,22 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
         if tracker is not None:
             tracker.end("KILLED")
         return out
-    out_dir = sweep_dir / name
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "results.csv").write_text(to_csv(rows))
-    (out_dir / "results.md").write_text(to_markdown(rows, title=f"Sweep {name} ({args.job})",
-                                                    metric=metric))
-    fig = plots.accuracy_vs(rows, x_key="lccn.alpha", keys=(METRIC, REPORTED_BESIDE),
-                            title=f"{name}: the selected epoch of each trial")
-    fig.savefig(out_dir / "accuracy_vs_alpha.png", dpi=100)
-    fig.clear()
-    out["table"] = str(out_dir / "results.md")
-    if tracker is not None:
-        finish_tracking(tracker, rows, out_dir=out_dir, metric=metric)
+    with storage.staged(storage.join(sweep_dir, name), endpoint_url=endpoint) as out_dir:
+        (out_dir / "results.csv").write_text(to_csv(rows))
+        (out_dir / "results.md").write_text(to_markdown(rows, title=f"Sweep {name} ({args.job})",
+                                                        metric=metric))
+        fig = plots.accuracy_vs(rows, x_key="lccn.alpha", keys=(METRIC, REPORTED_BESIDE),
+                                title=f"{name}: the selected epoch of each trial")
+        fig.savefig(out_dir / "accuracy_vs_alpha.png", dpi=100)
+        fig.clear()
+        out["table"] = str(storage.join(sweep_dir, name, "results.md"))
+        if tracker is not None:
+            finish_tracking(tracker, rows, out_dir=out_dir, metric=metric)
     print(f"[sweep] best by {metric}: {_fig(out['best_metric'])} ({REPORTED_BESIDE} "
           f"{_fig(out['best_test_top1'])}): {out['best_config']}; table {out['table']}",
           flush=True)
-    (sweep_dir / f"{name}.json").write_text(json.dumps(out, indent=1, default=str))
+    storage.write_text(storage.join(sweep_dir, f"{name}.json"),
+                       json.dumps(out, indent=1, default=str), endpoint_url=endpoint)
     return out
 
 

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pipeline.core import storage
 from pipeline.core.config import scaled_lr_values
 from pipeline.core.options import apply_point
 from tune.reporting import EpochReport
@@ -71,7 +72,7 @@ def trial_run(config: dict[str, Any], *, job: str, job_args: argparse.Namespace,
     import common
 
     args = copy.deepcopy(job_args)
-    args.run_dir = Path(sweep_dir) / "trials" / trial_id
+    args.run_dir = storage.join(sweep_dir, "trials", trial_id)  # a path or an s3:// prefix
     args.run_name, args.experiment = run_name or trial_id, experiment
     args.tracking_uri, args.no_tracking = tracking_uri, tracking_uri is None
     jr = mod.prepare_run(args)

@@ -1,13 +1,15 @@
 """Helpers shared by the project's command lines (``lccn-shards``, ``lccn-labelview``,
-``lccn-label-issues``). Imports: the standard library only."""
+``lccn-label-issues``, the jobs). Imports: the standard library and
+:mod:`pipeline.core.storage`."""
 
 from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 from pathlib import Path
+
+from pipeline.core import storage
 
 
 def prog_name(module: str, argv0: str | None = None) -> str:
@@ -19,14 +21,12 @@ def prog_name(module: str, argv0: str | None = None) -> str:
     return base
 
 
-def local_dir(value: str) -> Path:
-    """An ``argparse`` type for a run or sweep directory: a path; a URI
-    (``s3://bucket/runs``) is refused with one line instead of becoming the local folder
-    ``s3:/bucket/runs``."""
-    m = re.match(r"^([A-Za-z][A-Za-z0-9+.-]*)://", value)
-    if m:
-        raise argparse.ArgumentTypeError(
-            f"{value}: the directory must be a path on a file system every node shares "
-            f"(NFS, EFS, Filestore, or a bucket mounted with s3fs or gcsfuse); "
-            f"{m.group(1)}:// object-store directories are not supported")
-    return Path(value)
+def run_location(value: str) -> Path | str:
+    """An ``argparse`` type for a run directory: a path (a ``Path``), or an
+    ``s3://bucket/prefix`` (a ``str``, :mod:`pipeline.core.storage`); another scheme is
+    refused with one line."""
+    try:
+        loc = storage.check_location(value, what="a run directory")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return loc if storage.is_remote(loc) else Path(loc)

@@ -38,9 +38,11 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from pipeline.core import storage
 from pipeline.core.config import RunConfig, from_dict
 from pipeline.core.confusion_store import ConfusionStore
 from pipeline.core.labels import LabelView
+from pipeline.core.storage import Location
 from pipeline.dist.store_actor import ActorStoreClient, create_store_actor, store_actor_name
 from pipeline.dist.worker import DistConfig, run_worker
 from pipeline.train.checkpoints import (
@@ -98,7 +100,8 @@ class RaySession(TorchCollectives):
         self._train = ray.train
         # set by the entry point: <run_dir>/train/<run_name>, the progress-line settings,
         # an injected fault (tests) and the number of reports made
-        self.checkpoint_root: Path | None = None
+        self.checkpoint_root: Location | None = None
+        self.endpoint_url: str | None = None  # of an s3:// checkpoint_root
         self.progress: dict[str, Any] | None = None
         self.fault: ReportFault | None = None
         self.reports = 0
@@ -121,26 +124,28 @@ class RaySession(TorchCollectives):
         and every rank loads the same one."""
         ckpt = self._train.get_checkpoint()
         chosen: str | None = None
+        endpoint = self.endpoint_url
         if self.rank == 0:
-            registered = None if ckpt is None else ckpt.path
-            found = (newest_complete_checkpoint(self.checkpoint_root)
+            registered = self._location(ckpt)
+            found = (newest_complete_checkpoint(self.checkpoint_root, endpoint_url=endpoint)
                      if self.checkpoint_root is not None else None)
             chosen = str(found) if found is not None else registered
             if found is not None and registered is not None and \
-                    Path(registered).name != found.name:
-                reg_step, found_step = checkpoint_step(Path(registered)), checkpoint_step(found)
+                    storage.name(registered) != storage.name(found):
+                reg_step = checkpoint_step(registered, endpoint_url=endpoint)
+                found_step = checkpoint_step(found, endpoint_url=endpoint)
                 if reg_step is not None and found_step is not None and found_step < reg_step:
                     why = (f"older than the last checkpoint Ray Train registered, "
-                           f"{Path(registered).name} (step {reg_step}), which does not load")
+                           f"{storage.name(registered)} (step {reg_step}), which does not load")
                 else:
                     why = (f"newer than the last checkpoint Ray Train registered, "
-                           f"{Path(registered).name} (step {reg_step}): its report was lost "
+                           f"{storage.name(registered)} (step {reg_step}): its report was lost "
                            f"with the failure")
-                print(f"resuming from {found.name} (step {found_step}), {why}",
+                print(f"resuming from {storage.name(found)} (step {found_step}), {why}",
                       file=sys.__stdout__, flush=True)
             elif chosen is not None:  # a restart or a rerun of the same run name
-                step = checkpoint_step(Path(chosen))
-                print(f"resuming from {Path(chosen).name}"
+                step = checkpoint_step(chosen, endpoint_url=endpoint)
+                print(f"resuming from {storage.name(chosen)}"
                       + ("" if step is None else f" (step {step})"),
                       file=sys.__stdout__, flush=True)
         if self._dist():
@@ -148,13 +153,20 @@ class RaySession(TorchCollectives):
             torch.distributed.broadcast_object_list(box, src=0)
             chosen = box[0]
         elif self.rank != 0:
-            chosen = None if ckpt is None else ckpt.path
+            chosen = self._location(ckpt)
         if chosen is None:
             return None
-        if ckpt is not None and chosen == ckpt.path and not Path(chosen).is_dir():
-            with ckpt.as_directory() as d:  # remote storage: Ray downloads it
+        if self.checkpoint_root is None and ckpt is not None and chosen == ckpt.path:
+            with ckpt.as_directory() as d:  # Ray's own storage: Ray fetches it
                 return load_state(d)
-        return load_state(chosen)
+        return load_state(chosen, endpoint_url=endpoint)
+
+    def _location(self, ckpt: Any) -> str | None:
+        """Ray's checkpoint as a location under ``checkpoint_root`` (Ray's own path of one
+        in object storage is ``bucket/key``, without the scheme)."""
+        if ckpt is None or self.checkpoint_root is None:
+            return None if ckpt is None else ckpt.path
+        return str(storage.join(self.checkpoint_root, storage.name(ckpt.path)))
 
     def report(self, metrics: dict[str, float], checkpoint_dir: str | None) -> None:
         self.reports += 1
@@ -281,7 +293,8 @@ def train_loop_per_worker(config: dict) -> None:
         store = ActorStoreClient(ray.get_actor(names, namespace=config["namespace"]))
     torch.set_num_threads(max(1, int(config.get("threads", 1))))
     session = RaySession()
-    session.checkpoint_root = Path(dist.run_dir) / "train" / dist.run_name
+    session.checkpoint_root = storage.join(dist.run_dir, "train", dist.run_name)
+    session.endpoint_url = dist.s3_endpoint_url
     session.sync_bn = dist.sync_bn
     if config.get("fault"):
         session.fault = ReportFault(**config["fault"])
@@ -496,6 +509,13 @@ def fit_distributed(run: RunConfig, dist: DistConfig, view: LabelView, *,
               "fault": fault,
               "keys": None if sample_keys is None else ray.put(list(sample_keys))}
 
+    # a run dir in object storage: Ray Train writes and reads the checkpoints through the
+    # same pyarrow file system (and endpoint) as the project's own discovery and pruning
+    train_root = storage.join(dist.run_dir, "train")
+    storage_fs, storage_path = (storage.filesystem(train_root, endpoint_url=dist.s3_endpoint_url)
+                                if storage.is_remote(train_root) else (None, str(train_root)))
+    run_root = storage.join(train_root, dist.run_name)
+
     def make_trainer() -> Any:
         return TorchTrainer(
             train_loop_per_worker, train_loop_config=config,
@@ -504,7 +524,7 @@ def fit_distributed(run: RunConfig, dist: DistConfig, view: LabelView, *,
                 resources_per_worker=worker_resources(dist.use_gpu, cpus_per_worker)),
             torch_config=TorchConfig(backend="nccl" if dist.use_gpu else "gloo"),
             run_config=ray.train.RunConfig(
-                name=dist.run_name, storage_path=str(Path(dist.run_dir) / "train"),
+                name=dist.run_name, storage_path=storage_path, storage_filesystem=storage_fs,
                 failure_config=ray.train.FailureConfig(max_failures=max_failures),
                 checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
                 callbacks=[*(callbacks or []), placement_group_keeper()]))
@@ -515,7 +535,7 @@ def fit_distributed(run: RunConfig, dist: DistConfig, view: LabelView, *,
     finally:
         for h in handles:
             ray.kill(h, no_restart=True)  # the name is free for the next run
-        pruned = prune_checkpoints(Path(dist.run_dir) / "train" / dist.run_name)
+        pruned = prune_checkpoints(run_root, endpoint_url=dist.s3_endpoint_url)
         if pruned:
             print(f"removed {len(pruned)} checkpoint folder(s) Ray Train did not register: "
                   f"{', '.join(pruned)}", flush=True)
@@ -527,7 +547,7 @@ def fit_distributed(run: RunConfig, dist: DistConfig, view: LabelView, *,
             for name in (OUTLIERS_FILE,):
                 if (Path(d) / name).is_file():
                     out["files"][name] = (Path(d) / name).read_text()
-        out["checkpoint"] = result.checkpoint.path
+        out["checkpoint"] = str(storage.join(run_root, storage.name(result.checkpoint.path)))
         out["state"] = state
         if state["store"] is not None:
             # re-check the invariants on the driver side: raises if C != recount(z)

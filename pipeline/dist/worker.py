@@ -45,12 +45,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pipeline.core import storage
 from pipeline.core.config import RunConfig
 from pipeline.core.labels import LabelView
 from pipeline.data.stream import LoaderConfig
@@ -59,6 +61,7 @@ from pipeline.track.uris import redact_uri
 from pipeline.train.chains import ChainSet, SharedChain, chain_seed
 from pipeline.train.checkpoints import load_state
 from pipeline.train.engine import Engine, EngineOptions, Tracking
+from pipeline.train.export import EXPORT_META
 from pipeline.train.members import make_scheduler
 from pipeline.train.methods import get_method
 from pipeline.train.session import ProcessSession, Session
@@ -78,7 +81,9 @@ class DistConfig:
 
     run_name: Ray Train run name (a run re-submitted with the same name and run_dir
         resumes from its last checkpoint) and MLflow run name.
-    run_dir: absolute directory of the run (Ray storage ``<run_dir>/train``, MLflow store).
+    run_dir: absolute directory of the run (Ray storage ``<run_dir>/train``, MLflow store),
+        or an ``s3://bucket/prefix`` (``pipeline.core.storage``; endpoint
+        ``s3_endpoint_url``): checkpoints, results and the exported model go there.
     train_source, test_source: split directories or base URLs (``pipeline.data.stream``).
     num_workers: Ray Train workers (DDP ranks); ``OptimConfig.batch_size`` is the global
         batch, each rank takes ``batch_size // num_workers``.
@@ -149,9 +154,10 @@ class DistConfig:
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         object.__setattr__(self, "mlflow_tags",
                            tuple((str(k), str(v)) for k, v in self.mlflow_tags))
-        if not os.path.isabs(self.run_dir):
-            raise ValueError(f"DistConfig.run_dir must be absolute (Ray workers chdir), got "
-                             f"{self.run_dir!r}")
+        storage.check_location(self.run_dir, what="DistConfig.run_dir")
+        if not storage.is_remote(self.run_dir) and not os.path.isabs(self.run_dir):
+            raise ValueError(f"DistConfig.run_dir must be absolute (Ray workers chdir) or an "
+                             f"s3:// URI, got {self.run_dir!r}")
         for name in ("train_source", "test_source"):
             src = getattr(self, name)
             if src and "://" not in src and not os.path.isabs(src):
@@ -215,16 +221,18 @@ def _scheduler(optimizer: torch.optim.Optimizer, run: RunConfig, dist: DistConfi
 class _Failures:
     """Injected failures (tests): fire each (rank, step, mode) at most once per run_dir."""
 
-    def __init__(self, spec: str, rank: int, run_dir: str) -> None:
+    def __init__(self, spec: str, rank: int, run_dir: str,
+                 endpoint_url: str | None = None) -> None:
         self.items = [(s, m) for r, s, m in parse_failures(spec) if r == rank]
-        self.rank, self.run_dir = rank, Path(run_dir)
+        self.rank, self.run_dir, self.endpoint_url = rank, run_dir, endpoint_url
 
     def __call__(self, step: int, store: Any) -> None:
         for s, mode in self.items:
-            marker = self.run_dir / f".injected-failure-r{self.rank}-s{s}-{mode}"
-            if s != step or marker.exists():
+            marker = storage.join(self.run_dir, f".injected-failure-r{self.rank}-s{s}-{mode}")
+            if s != step or storage.exists(marker, endpoint_url=self.endpoint_url):
                 continue
-            marker.write_text(f"fired at step {step}\n")
+            storage.write_text(marker, f"fired at step {step}\n",
+                               endpoint_url=self.endpoint_url)
             if mode == "exit":
                 os._exit(1)
             if mode == "raise":
@@ -270,7 +278,7 @@ def run_worker(run: RunConfig, dist: DistConfig, view: LabelView, store: Any,
         chains = [SharedChain(c, session, seed=run.seed if i == 0 else chain_seed(run.seed, i),
                               held_out=held_out) for i, c in enumerate(stores)]
         chain = chains[0] if len(chains) == 1 else ChainSet(chains)
-    failures = _Failures(dist.inject_failure, rank, dist.run_dir)
+    failures = _Failures(dist.inject_failure, rank, dist.run_dir, dist.s3_endpoint_url)
     tracking = None
     if dist.tracking_uri:
         tracking = Tracking(uri=dist.tracking_uri, experiment=dist.experiment,
@@ -279,14 +287,26 @@ def run_worker(run: RunConfig, dist: DistConfig, view: LabelView, store: Any,
                                     "num_samples": len(view)},
                             class_names=dist.class_names, transition_every=dist.transition_every,
                             tags=dist.mlflow_tags)
-    options = EngineOptions(run_name=dist.run_name, checkpoint_every=dist.checkpoint_every,
-                            pretrained=dist.pretrained, lr_values=dist.lr_values,
-                            tracking=tracking, after_step=lambda step: failures(step, stores[0]),
-                            normalize=build_batch_transform(dist.preset) if cuda else None,
-                            sample_keys=keys, init_from=dist.init_from,
-                            progress_seconds=dist.progress_seconds, preset=dist.preset,
-                            export_path=dist.export_path if dist.export_model else None)
-    return Engine(run, session, data, chain=chain, options=options).fit()
+    target = dist.export_path if dist.export_model else None
+    remote = target is not None and storage.is_remote(target)
+    with tempfile.TemporaryDirectory(prefix="lccn-export-") as tmp:
+        # torch.export writes a local file: for a run dir in object storage rank 0 writes
+        # it here and uploads it (its .json first) when the run ends
+        export_path = str(Path(tmp) / storage.name(target)) if remote else target
+        options = EngineOptions(run_name=dist.run_name, checkpoint_every=dist.checkpoint_every,
+                                pretrained=dist.pretrained, lr_values=dist.lr_values,
+                                tracking=tracking,
+                                after_step=lambda step: failures(step, stores[0]),
+                                normalize=build_batch_transform(dist.preset) if cuda else None,
+                                sample_keys=keys, init_from=dist.init_from,
+                                progress_seconds=dist.progress_seconds, preset=dist.preset,
+                                export_path=export_path)
+        rows = Engine(run, session, data, chain=chain, options=options).fit()
+        if remote and Path(export_path).is_file():
+            folder = str(target).rsplit("/", 1)[0]
+            for f in (Path(export_path).with_suffix(EXPORT_META), Path(export_path)):
+                storage.upload(f, storage.join(folder, f.name), endpoint_url=dist.s3_endpoint_url)
+    return rows
 
 
 def _public(dist: DistConfig) -> dict[str, Any]:

@@ -13,25 +13,34 @@ Imports: :mod:`pipeline.core` and :mod:`pipeline.train.sources` (the loader geom
 
 from __future__ import annotations
 
+import io
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pipeline.core import storage
 from pipeline.core.config import RunConfig
+from pipeline.core.storage import Location
 from pipeline.train.sources import loader_geometry
 
 
-def load_state(checkpoint_dir: str | os.PathLike) -> dict:
-    """The ``state.pt`` dict of a checkpoint directory."""
-    path = Path(checkpoint_dir) / STATE_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{checkpoint_dir}: not an LCCN checkpoint (no {STATE_FILE})")
-    return torch.load(path, map_location="cpu", weights_only=True)
+def load_state(checkpoint_dir: Location, *, endpoint_url: str | None = None) -> dict:
+    """The ``state.pt`` dict of a checkpoint folder (a path or an ``s3://`` prefix)."""
+    path = storage.join(checkpoint_dir, STATE_FILE)
+    if not storage.is_remote(path):
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"{checkpoint_dir}: not an LCCN checkpoint (no {STATE_FILE})")
+        return torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        data = storage.read_bytes(path, endpoint_url=endpoint_url)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{checkpoint_dir}: not an LCCN checkpoint (no {STATE_FILE})"
+                                ) from None
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
 
 STATE_FILE = "state.pt"
 META_FILE = "meta.json"
@@ -42,6 +51,9 @@ def init_state_file(path: str | os.PathLike) -> Path:
     checkpoint folder holding one, or a folder of ``checkpoint_*`` folders (a run's
     ``<run_dir>/train/<run_name>``; ``<run_dir>`` itself when it holds one run) whose
     newest complete checkpoint (largest global step) is taken."""
+    if storage.is_remote(path):
+        raise ValueError(f"--init-from {path}: weights are read from a local path; copy the "
+                         f"checkpoint folder (or its {STATE_FILE}) to this machine first")
     p = Path(path).expanduser()
     if p.is_file():
         return p
@@ -90,11 +102,22 @@ def geometry_mismatch(saved: dict | None, now: dict | None, *, epoch: int,
             f"/ --num-workers, --shuffle-buffer) or start a new run")
 
 
-def checkpoint_step(checkpoint_dir: Path) -> int | None:
+def checkpoint_step(checkpoint_dir: Location, *, endpoint_url: str | None = None) -> int | None:
+    """The global step a checkpoint folder's ``meta.json`` names; None when it does not
+    read."""
     try:
-        return int(json.loads((checkpoint_dir / META_FILE).read_text())["global_step"])
+        meta = storage.read_text(storage.join(checkpoint_dir, META_FILE),
+                                 endpoint_url=endpoint_url)
+        return int(json.loads(meta)["global_step"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def checkpoint_dirs(root: Location, *, endpoint_url: str | None = None) -> list[Location]:
+    """The ``checkpoint_*`` folders directly under ``root`` (a run's
+    ``<run_dir>/train/<run_name>``, a path or an ``s3://`` prefix), by name."""
+    return [storage.join(root, n)
+            for n in storage.list_dirs(root, "checkpoint_", endpoint_url=endpoint_url)]
 
 
 def resume_problem(run: RunConfig, dist: Any) -> str | None:
@@ -103,14 +126,16 @@ def resume_problem(run: RunConfig, dist: Any) -> str | None:
     :func:`pipeline.train.checkpoints.geometry_mismatch`), or None. Reads ``meta.json`` only; the
     workers check the checkpoint they load again."""
     metas = []
-    for d in (Path(dist.run_dir) / "train" / dist.run_name).glob("checkpoint_*"):
+    endpoint = getattr(dist, "s3_endpoint_url", None)
+    root = storage.join(dist.run_dir, "train", dist.run_name)
+    for d in checkpoint_dirs(root, endpoint_url=endpoint):
         try:
-            meta = json.loads((d / META_FILE).read_text())
+            meta = json.loads(storage.read_text(storage.join(d, META_FILE), endpoint_url=endpoint))
             step = int(meta["global_step"])
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if (d / STATE_FILE).is_file():
-            metas.append((step, d.name, d, meta))
+        if storage.is_file(storage.join(d, STATE_FILE), endpoint_url=endpoint):
+            metas.append((step, storage.name(d), d, meta))
     if not metas:
         return None
     _, _, d, meta = max(metas)
@@ -122,9 +147,11 @@ def resume_problem(run: RunConfig, dist: Any) -> str | None:
     return None if problem is None else f"{d}: {problem}"
 
 
-def newest_complete_checkpoint(root: str | os.PathLike) -> Path | None:
+def newest_complete_checkpoint(root: Location, *, endpoint_url: str | None = None
+                               ) -> Location | None:
     """The ``checkpoint_*`` folder under ``root`` with the largest global step whose
-    ``meta.json`` and ``state.pt`` both load and agree; None if there is none.
+    ``meta.json`` and ``state.pt`` both load and agree; None if there is none. ``root`` is
+    a path or an ``s3://`` prefix; the folder is of the same kind.
 
     Rank 0 writes a checkpoint at one consistent moment and then reports it; Ray Train
     registers it only when every rank's report reaches its controller. A failure in between
@@ -132,15 +159,14 @@ def newest_complete_checkpoint(root: str | os.PathLike) -> Path | None:
     disk, Ray resumed from 260). They are as consistent as registered ones, so a restart
     resumes from the newest. A folder cut short by the failure fails to load and is skipped.
     """
-    root = Path(root)
     found = []
-    for d in root.glob("checkpoint_*"):
-        step = checkpoint_step(d)
+    for d in checkpoint_dirs(root, endpoint_url=endpoint_url):
+        step = checkpoint_step(d, endpoint_url=endpoint_url)
         if step is not None:
-            found.append((step, d.name, d))
-    for step, _, d in sorted(found, reverse=True):
+            found.append((step, storage.name(d), d))
+    for step, _, d in sorted(found, key=lambda t: t[:2], reverse=True):
         try:
-            state = load_state(d)
+            state = load_state(d, endpoint_url=endpoint_url)
         except Exception as e:  # noqa: BLE001 - truncated/partial file: not complete
             print(f"skipping {d} (step {step}): it does not load ({type(e).__name__}: {e})",
                   file=sys.__stdout__, flush=True)
@@ -150,29 +176,31 @@ def newest_complete_checkpoint(root: str | os.PathLike) -> Path | None:
     return None
 
 
-def prune_checkpoints(root: str | os.PathLike) -> list[str]:
+def prune_checkpoints(root: Location, *, endpoint_url: str | None = None) -> list[str]:
     """Delete the checkpoint folders Ray Train does not manage: those not in its
     ``checkpoint_manager_snapshot.json`` that are incomplete or not newer than the newest
     registered one (``CheckpointConfig.num_to_keep`` never sees them). An unregistered
     complete checkpoint newer than every registered one is kept: a re-submission resumes
-    from it. Returns the names deleted."""
-    root = Path(root)
-    snap = root / "checkpoint_manager_snapshot.json"
+    from it. ``root``: a path or an ``s3://`` prefix. Returns the names deleted."""
+    snap = storage.join(root, "checkpoint_manager_snapshot.json")
     try:
-        results = json.loads(snap.read_text()).get("checkpoint_results", [])
+        results = json.loads(storage.read_text(snap, endpoint_url=endpoint_url)
+                             ).get("checkpoint_results", [])
         registered = {r["checkpoint_dir_name"] for r in results}
     except (OSError, ValueError, AttributeError, KeyError, TypeError):
         return []  # no snapshot (nothing reported yet) or another layout: touch nothing
-    newest_registered = max((checkpoint_step(root / n) or -1 for n in registered), default=-1)
-    newest = newest_complete_checkpoint(root)
+    newest_registered = max((checkpoint_step(storage.join(root, n), endpoint_url=endpoint_url)
+                             or -1 for n in registered), default=-1)
+    newest = newest_complete_checkpoint(root, endpoint_url=endpoint_url)
     deleted = []
-    for d in sorted(root.glob("checkpoint_*")):
-        if d.name in registered or not d.is_dir():
+    for d in checkpoint_dirs(root, endpoint_url=endpoint_url):
+        n = storage.name(d)
+        if n in registered:
             continue
-        step = checkpoint_step(d)
-        keep = (newest is not None and d.name == newest.name and step is not None
+        step = checkpoint_step(d, endpoint_url=endpoint_url)
+        keep = (newest is not None and n == storage.name(newest) and step is not None
                 and step > newest_registered)
         if not keep:
-            shutil.rmtree(d, ignore_errors=True)
-            deleted.append(d.name)
+            storage.delete_dir(d, endpoint_url=endpoint_url)
+            deleted.append(n)
     return deleted
