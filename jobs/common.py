@@ -586,16 +586,13 @@ def dist_config(args: argparse.Namespace, *, run_name: str, train: str, test: st
         raise SystemExit("error: --sync-bn needs --gpu (torch.nn.SyncBatchNorm has no CPU "
                          "kernel)")
     run_dir = normal_run_dir(args.run_dir)
-    if storage.is_remote(run_dir) and not (args.no_tracking or args.tracking_uri
-                                           or os.environ.get("MLFLOW_TRACKING_URI")):
-        raise SystemExit(f"error: --run-dir {run_dir}: the default MLflow store is a sqlite "
-                         f"file in the run dir, which object storage cannot hold; pass "
-                         f"--tracking-uri (an MLflow server, or sqlite:////ABS/PATH/mlflow.db "
-                         f"on a shared disk) or --no-tracking")
+    try:
+        tracking = tracking_uri_of(args, run_dir)
+    except ValueError as e:
+        raise SystemExit(f"error: --run-dir {e}") from None
     problem = storage.check_bucket(run_dir, endpoint_url=args.s3_endpoint_url)
     if problem:
         raise SystemExit(f"error: {problem}")
-    tracking = tracking_uri_of(args, run_dir)
     return DistConfig(
         run_name=run_name, run_dir=str(run_dir), train_source=train, test_source=test,
         num_workers=args.num_workers, use_gpu=args.gpu, loader_workers=args.loader_workers,

@@ -839,8 +839,8 @@ def test_a_run_dir_in_object_storage_needs_a_tracking_store_and_a_bucket(tmp_pat
     monkeypatch.setenv("LCCN_RUNS", str(tmp_path))
     base = ["--run-dir", "s3://no-such-bucket/runs", "--s3-endpoint-url", moto_url,
             "--smoke-test", "--no-baseline"]
-    with pytest.raises(SystemExit, match="the default MLflow store is a sqlite file in the run "
-                                         "dir, which object storage cannot hold"):
+    with pytest.raises(SystemExit, match="the default MLflow store is a sqlite file in that "
+                                         "folder, which object storage cannot hold"):
         quickstart_ray.main(base)
     with pytest.raises(SystemExit, match="s3://no-such-bucket/runs: no bucket 'no-such-bucket'"):
         quickstart_ray.main([*base, "--no-tracking"])

@@ -45,7 +45,6 @@ import copy
 import functools
 import json
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -429,10 +428,6 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
             raise SystemExit(f"error: --sweep-dir {sweep_dir}: a PBT sweep hands checkpoints "
                              f"between trials on a shared file system; give one, or use "
                              f"--scheduler asha or fifo with object storage")
-        if not (args.no_tracking or args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")):
-            raise SystemExit(f"error: --sweep-dir {sweep_dir}: the default MLflow store is a "
-                             f"sqlite file in the sweep dir, which object storage cannot hold; "
-                             f"pass --tracking-uri or --no-tracking")
         problem = storage.check_bucket(sweep_dir, endpoint_url=endpoint)
         if problem:
             raise SystemExit(f"error: {problem}")
@@ -442,7 +437,10 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
     local = common.local_mirror(sweep_dir, "sweep") if storage.is_remote(sweep_dir) else sweep_dir
     for line in prepare_job_data(args.job, job_args, local):
         print(line, flush=True)
-    tracking = tracking_uri_of(args, sweep_dir)
+    try:
+        tracking = tracking_uri_of(args, sweep_dir)
+    except ValueError as e:
+        raise SystemExit(f"error: --sweep-dir {e}") from None
     experiment = f"lccn-sweep-{name}"
     tune_fs, tune_root = storage.filesystem(storage.join(sweep_dir, "tune"),
                                             endpoint_url=endpoint)

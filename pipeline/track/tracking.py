@@ -49,6 +49,7 @@ try:  # MLflow's request limits (an internal module: fall back to the documented
 except ImportError:  # pragma: no cover
     MAX_METRICS_PER_BATCH, MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH = 1000, 6000, 100
 
+from pipeline.core import storage
 from pipeline.track import plots
 from pipeline.track.uris import redact_args, redact_uri
 
@@ -62,11 +63,17 @@ def default_tracking_uri(run_dir: str | os.PathLike) -> str:
     """``$MLFLOW_TRACKING_URI`` if set, else a sqlite store ``<abs run_dir>/mlflow.db``.
 
     Always an explicit URI: MLflow's own default is a database in the *current* directory,
-    which under Ray Train is the worker's run directory, not the job's.
+    which under Ray Train is the worker's run directory, not the job's. ``ValueError`` for
+    an ``s3://`` run dir (no sqlite file there).
     """
     env = os.environ.get("MLFLOW_TRACKING_URI")
     if env:
         return env
+    if storage.is_remote(run_dir):
+        raise ValueError(f"{run_dir}: the default MLflow store is a sqlite file in that "
+                         f"folder, which object storage cannot hold; pass --tracking-uri (an "
+                         f"MLflow server, or sqlite:////ABS/PATH/mlflow.db on a shared disk) "
+                         f"or --no-tracking")
     return f"sqlite:///{Path(run_dir).resolve() / 'mlflow.db'}"
 
 
