@@ -12,6 +12,11 @@ autocast, channels-last, cuDNN autotuning, in-memory data and augmentation on th
    precision and layout, on synthetic in-memory data; and through the real shard loader on
    JPEG shards written here (``shards.writer``), for several decode-worker counts.
 3. Peak GPU memory of each part. ``--compile`` adds a ``torch.compile`` timing of (1).
+4. One CE epoch of (1) under float16 autocast with a ``GradScaler`` (``--amp fp16``, the
+   path of GPUs without bf16): its loss and accuracy beside the bf16 epoch, its time.
+   SyncBatchNorm (``--sync-bn``) is not exercised here: it synchronises across processes,
+   one per GPU, and NCCL refuses two ranks on one device; the CPU tests cover its
+   conversion.
 
 Needs: a CUDA build of PyTorch with a GPU, torchvision, numpy, pillow, and (for the shard
 part) webdataset + braceexpand (pure Python; ``benchmarks/gpu_check.sh`` installs them
@@ -346,6 +351,13 @@ def main() -> None:
         return
     res["resnet32_ce"] = cifar_epochs(train, test, "ce", args.epochs, perf, dev)
     res["resnet32_lccn"] = cifar_epochs(train, test, "lccn", args.epochs, perf, dev)
+    res["resnet32_ce_fp16"] = cifar_epochs(train, test, "ce", 1, replace(perf, amp="fp16"), dev)
+    fp16 = res["resnet32_ce_fp16"][-1]
+    if not (fp16["loss"] == fp16["loss"] and abs(fp16["loss"]) < float("inf")):
+        res["fp16_error"] = f"float16 CE epoch ended with loss {fp16['loss']}"
+    log(f"[1] CE epoch 1 under fp16 autocast + GradScaler: loss {fp16['loss']:.3f} (bf16: "
+        f"{res['resnet32_ce'][0]['loss']:.3f}), test {fp16['test_top1']:.3f} (bf16: "
+        f"{res['resnet32_ce'][0]['test_top1']:.3f}), {fp16['epoch_time']:.2f} s")
     if args.time_compile:
         try:
             res["resnet32_ce_compiled"] = cifar_epochs(
@@ -445,6 +457,14 @@ def report(res: dict) -> str:
             lines += ["", f"LCCN step / CE step (last epochs): **{ratio:.3f}**; CE epoch incl. "
                       f"test: **{ce_last['epoch_time']:.2f} s**, so 120 epochs take "
                       f"{120 * ce_last['epoch_time'] / 60:.1f} min."]
+        fp16, bf16 = res.get("resnet32_ce_fp16"), ce[0]
+        if fp16:
+            f = fp16[-1]
+            lines += ["", f"CE epoch 1 under float16 autocast with a GradScaler (`--amp fp16`): "
+                      f"loss {f['loss']:.3f} against {bf16['loss']:.3f} under bf16, test "
+                      f"{f['test_top1']:.3f} against {bf16['test_top1']:.3f}, "
+                      f"{f['epoch_time']:.2f} s against {bf16['epoch_time']:.2f} s"
+                      + (f"; **{res['fp16_error']}**" if res.get("fp16_error") else ".")]
         if res.get("resnet32_ce_compiled_error"):
             lines += ["", f"torch.compile failed: `{res['resnet32_ce_compiled_error']}`"]
     r50 = res.get("resnet50_synthetic")

@@ -207,6 +207,9 @@ def test_gpu_check_runs_end_to_end_at_tiny_sizes_on_the_cpu(tmp_path):
     assert res["resnet50_synthetic"]["ours_images_per_s"] > 0
     assert res["resnet50_shards"][0]["steps"] == 4  # 8 JPEGs in batches of 2
     assert "Ratio this pipeline / plain loop" in (tmp_path / "gpu.md").read_text()
+    fp16 = res["resnet32_ce_fp16"]  # the fp16 + GradScaler epoch, beside the default one
+    assert len(fp16) == 1 and math.isfinite(fp16[0]["loss"]) and "fp16_error" not in res
+    assert "under float16 autocast with a GradScaler" in (tmp_path / "gpu.md").read_text()
 
 
 def test_fp16_autocasts_and_scales_the_loss_of_every_network():
