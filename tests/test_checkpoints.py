@@ -85,3 +85,23 @@ def test_prune_removes_what_ray_does_not_manage_but_keeps_the_resume_point(root)
     assert _left(root) == ["checkpoint_b", "checkpoint_g"]
     # no snapshot yet (nothing reported): nothing is touched
     assert prune_checkpoints(storage.join(root, "none")) == []
+
+
+def test_a_read_that_fails_prunes_nothing(root, monkeypatch):
+    """A network or disk error while the checkpoints are read says nothing about them:
+    nothing is deleted (before, the resume point whose meta.json did not read was)."""
+    for name, step in (("checkpoint_a", 250), ("checkpoint_b", 260), ("checkpoint_d", 280)):
+        _write(root, name, step)
+    _snapshot(root, ["checkpoint_a", "checkpoint_b"])
+    real = storage.read_bytes
+
+    def flaky(loc, **kw):
+        if "checkpoint_d" in str(loc):
+            raise OSError(f"{loc}: connection reset by peer")
+        return real(loc, **kw)
+
+    monkeypatch.setattr(storage, "read_bytes", flaky)
+    assert prune_checkpoints(root) == []
+    assert _left(root) == ["checkpoint_a", "checkpoint_b", "checkpoint_d"]
+    # a resume is not held up by it: the newest checkpoint that reads is taken
+    assert storage.name(newest_complete_checkpoint(root)) == "checkpoint_b"

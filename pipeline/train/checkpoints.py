@@ -102,14 +102,23 @@ def geometry_mismatch(saved: dict | None, now: dict | None, *, epoch: int,
             f"/ --num-workers, --shuffle-buffer) or start a new run")
 
 
-def checkpoint_step(checkpoint_dir: Location, *, endpoint_url: str | None = None) -> int | None:
-    """The global step a checkpoint folder's ``meta.json`` names; None when it does not
-    read."""
+def checkpoint_step(checkpoint_dir: Location, *, endpoint_url: str | None = None,
+                    strict: bool = False) -> int | None:
+    """The global step a checkpoint folder's ``meta.json`` names; None when it is not there
+    or does not parse. A read that fails otherwise (a network or disk error) is None too,
+    or with ``strict`` raised: it says nothing about the checkpoint."""
     try:
         meta = storage.read_text(storage.join(checkpoint_dir, META_FILE),
                                  endpoint_url=endpoint_url)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        if strict:
+            raise
+        return None
+    try:
         return int(json.loads(meta)["global_step"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError):
         return None
 
 
@@ -147,8 +156,8 @@ def resume_problem(run: RunConfig, dist: Any) -> str | None:
     return None if problem is None else f"{d}: {problem}"
 
 
-def newest_complete_checkpoint(root: Location, *, endpoint_url: str | None = None
-                               ) -> Location | None:
+def newest_complete_checkpoint(root: Location, *, endpoint_url: str | None = None,
+                               strict: bool = False) -> Location | None:
     """The ``checkpoint_*`` folder under ``root`` with the largest global step whose
     ``meta.json`` and ``state.pt`` both load and agree; None if there is none. ``root`` is
     a path or an ``s3://`` prefix; the folder is of the same kind.
@@ -157,17 +166,21 @@ def newest_complete_checkpoint(root: Location, *, endpoint_url: str | None = Non
     registers it only when every rank's report reaches its controller. A failure in between
     leaves complete checkpoints on disk that Ray does not know (seen: steps 270 and 280 on
     disk, Ray resumed from 260). They are as consistent as registered ones, so a restart
-    resumes from the newest. A folder cut short by the failure fails to load and is skipped.
+    resumes from the newest. A folder cut short by the failure fails to load and is skipped;
+    one that cannot be read (a network or disk error) is skipped too, or with ``strict``
+    the error is raised.
     """
     found = []
     for d in checkpoint_dirs(root, endpoint_url=endpoint_url):
-        step = checkpoint_step(d, endpoint_url=endpoint_url)
+        step = checkpoint_step(d, endpoint_url=endpoint_url, strict=strict)
         if step is not None:
             found.append((step, storage.name(d), d))
     for step, _, d in sorted(found, key=lambda t: t[:2], reverse=True):
         try:
             state = load_state(d, endpoint_url=endpoint_url)
         except Exception as e:  # noqa: BLE001 - truncated/partial file: not complete
+            if strict and isinstance(e, OSError) and not isinstance(e, FileNotFoundError):
+                raise
             print(f"skipping {d} (step {step}): it does not load ({type(e).__name__}: {e})",
                   file=sys.__stdout__, flush=True)
             continue
@@ -189,18 +202,23 @@ def prune_checkpoints(root: Location, *, endpoint_url: str | None = None) -> lis
         registered = {r["checkpoint_dir_name"] for r in results}
     except (OSError, ValueError, AttributeError, KeyError, TypeError):
         return []  # no snapshot (nothing reported yet) or another layout: touch nothing
-    newest_registered = max((checkpoint_step(storage.join(root, n), endpoint_url=endpoint_url)
-                             or -1 for n in registered), default=-1)
-    newest = newest_complete_checkpoint(root, endpoint_url=endpoint_url)
-    deleted = []
-    for d in checkpoint_dirs(root, endpoint_url=endpoint_url):
-        n = storage.name(d)
-        if n in registered:
-            continue
-        step = checkpoint_step(d, endpoint_url=endpoint_url)
-        keep = (newest is not None and n == storage.name(newest) and step is not None
-                and step > newest_registered)
-        if not keep:
-            storage.delete_dir(d, endpoint_url=endpoint_url)
-            deleted.append(n)
-    return deleted
+    try:  # a read that fails (not a missing file) deletes nothing: it proves nothing
+        newest_registered = max((checkpoint_step(storage.join(root, n), strict=True,
+                                                 endpoint_url=endpoint_url) or -1
+                                 for n in registered), default=-1)
+        newest = newest_complete_checkpoint(root, endpoint_url=endpoint_url, strict=True)
+        doomed = []
+        for d in checkpoint_dirs(root, endpoint_url=endpoint_url):
+            n = storage.name(d)
+            if n in registered:
+                continue
+            step = checkpoint_step(d, endpoint_url=endpoint_url, strict=True)
+            if not (newest is not None and n == storage.name(newest) and step is not None
+                    and step > newest_registered):
+                doomed.append(d)
+    except OSError as e:
+        print(f"checkpoints under {root} left as they are: {e}", file=sys.__stdout__, flush=True)
+        return []
+    for d in doomed:
+        storage.delete_dir(d, endpoint_url=endpoint_url)
+    return [storage.name(d) for d in doomed]
