@@ -329,6 +329,17 @@ def work_dir(args: argparse.Namespace, job: str) -> Path:
     return normal_run_dir(args.run_dir)
 
 
+def local_data_note(args: argparse.Namespace, job: str, where: Path) -> list[str]:
+    """With an ``s3://`` run dir, the line saying that the shards this job generated at
+    ``where`` are on this machine only; [] otherwise."""
+    if not storage.is_remote(args.run_dir):
+        return []
+    return [f"[{job}] note: the run dir is {args.run_dir}, but the shards this job made are "
+            f"on this machine only ({where}); a Train worker on another node cannot read "
+            f"them: upload them (python -m pipeline.data.s3 upload) and pass --train-shards "
+            f"s3://... (and --test-shards), or put them on a folder every node shares"]
+
+
 def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> None:
     """Options every job shares; recipe options default to ``preset`` (None = preset's)."""
     g = p.add_argument_group("run")
@@ -600,7 +611,9 @@ def dist_config(args: argparse.Namespace, *, run_name: str, train: str, test: st
         checkpoint_every=args.checkpoint_every, lr_values=tuple(args.lr_values),
         pretrained=args.pretrained, tracking_uri=tracking, experiment=args.experiment,
         class_names=tuple(class_names), inject_failure=args.inject_failure,
-        verify_checksums=args.verify_checksums, s3_endpoint_url=args.s3_endpoint_url,
+        verify_checksums=args.verify_checksums,
+        # resolved here: the workers of a cluster need not have the driver's environment
+        s3_endpoint_url=storage.endpoint(args.s3_endpoint_url),
         sync_bn=getattr(args, "sync_bn", False),
         export_model=bool(getattr(args, "export_model", True)) and not args.smoke_test,
         init_from=_init_from(args, storage.join(run_dir, "train", run_name),
@@ -1130,6 +1143,7 @@ def dataset_setup(args: argparse.Namespace, *, job: str, preset: Preset, smoke: 
             shard_size=smoke.shard_size, noisy_web_labels=smoke.noisy_web_labels,
             classes=smoke.classes)
         args.train_shards, args.test_shards = str(train_dir), str(test_dir)
+        log += local_data_note(args, job, out)
         if smoke.noise is not None:
             args.noise = smoke.noise
         log.append(f"[{job}] smoke data: {smoke.n_train}/{smoke.n_test} generated "

@@ -153,6 +153,7 @@ def prepare_run(args: argparse.Namespace) -> common.JobRun:
             raise SystemExit(f"error: {e}") from None
         log.append(f"[{JOB}] LCCN+: {int(view.trusted.sum())} trusted digits")
     log.append(f"[{JOB}] {len(view)} training digits; shards in {data}")
+    log += common.local_data_note(args, JOB, data)
     log.append(f"[{JOB}] {noise_note(view, args.rate)}")
     dist = common.dist_config(args, run_name=args.run_name, train=str(train), test=str(test),
                               class_names=list(common.manifest_classes(str(train))),

@@ -187,6 +187,7 @@ def prepare_data(args: argparse.Namespace, root: Path | None = None) -> list[str
     for split, m in sorted(manifests.items()):
         log.append(f"[{JOB}] {split}: {m.num_samples:,} images, {len(m.classes)} classes "
                    f"in {out / split}")
+    log += common.local_data_note(args, JOB, out)
     args.train_shards = str(out / train)
     args.test_shards = str(out / test) if test in manifests else None
     args.images = args.csv = args.test_images = None

@@ -105,3 +105,18 @@ def test_a_read_that_fails_prunes_nothing(root, monkeypatch):
     assert _left(root) == ["checkpoint_a", "checkpoint_b", "checkpoint_d"]
     # a resume is not held up by it: the newest checkpoint that reads is taken
     assert storage.name(newest_complete_checkpoint(root)) == "checkpoint_b"
+
+
+def test_a_delete_that_fails_leaves_the_folder_and_the_run_goes_on(root, monkeypatch, capfd):
+    _write(root, "checkpoint_a", 250)
+    _write(root, "checkpoint_old", 100)
+    _snapshot(root, ["checkpoint_a"])
+
+    def refused(loc, **kw):
+        raise OSError(f"{loc}: SlowDown")
+
+    monkeypatch.setattr(storage, "delete_dir", refused)
+    assert prune_checkpoints(root) == []
+    out = capfd.readouterr().out
+    assert "could not remove" in out and "checkpoint_old" in out and "SlowDown" in out
+    assert _left(root) == ["checkpoint_a", "checkpoint_old"]

@@ -874,7 +874,7 @@ def test_lccn_star_plus_on_ray_exports_outliers_and_keeps_the_trusted_set_out_of
 
 @pytest.mark.ray
 def test_a_run_in_object_storage_killed_mid_epoch_resumes_bit_identical(ray_cluster, moto_url,
-                                                                        tmp_path):
+                                                                        tmp_path, monkeypatch):
     """On real Ray, with the run dir in S3-compatible object storage (a moto server): the
     single worker dies (os._exit, as after SIGKILL) mid-epoch in LCCN epoch 2 (19 steps an
     epoch: 1,195 training digits, batch 64) and the run fails (--max-failures 0); the same
@@ -882,7 +882,8 @@ def test_a_run_in_object_storage_killed_mid_epoch_resumes_bit_identical(ray_clus
     complete one, step 48), resumes there and ends with the same model, z, C and store
     version as an uninterrupted run on a local disk with the same seed. Results, the
     exported model and the injected-failure marker are in the bucket; the bucket keeps
-    the checkpoints Ray Train manages and no others."""
+    the checkpoints Ray Train manages and no others. The endpoint is in the driver's
+    environment only (the Ray workers started without it): the job hands it to them."""
     import ray.train
 
     from pipeline.core import storage
@@ -895,8 +896,10 @@ def test_a_run_in_object_storage_killed_mid_epoch_resumes_bit_identical(ray_clus
             "--shuffle-buffer", "100", "--checkpoint-every", "8", "--num-workers", "1",
             "--no-tracking", "--no-baseline"]
     ref = quickstart_ray.main(["--run-dir", str(tmp_path / "a"), "--run-name", "ref", *args])
-    remote = ["--run-dir", "s3://runs/team/b/", "--s3-endpoint-url", moto_url,
-              "--run-name", "hit", *args, "--max-failures", "0"]
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", moto_url)
+    monkeypatch.setenv("LCCN_RUNS", str(tmp_path / "local"))  # where the digits are written
+    remote = ["--run-dir", "s3://runs/team/b/", "--run-name", "hit", *args,
+              "--max-failures", "0"]
     with pytest.raises(ray.train.TrainingFailedError):
         quickstart_ray.main([*remote, "--inject-failure", "0:50:exit"])
     root = "s3://runs/team/b"

@@ -826,8 +826,9 @@ def test_an_unsupported_uri_as_run_or_sweep_dir_is_one_clear_line(capsys):
         with pytest.raises(SystemExit):
             parser.parse_args([flag, "s3://"])
         assert "an s3 location needs a bucket" in capsys.readouterr().err
-        assert getattr(parser.parse_args([flag, "s3://bucket/runs/"]),
-                       flag[2:].replace("-", "_")) == "s3://bucket/runs"
+        for given in ("s3://bucket/runs/", "s3://bucket//runs"):  # pyarrow: no empty parts
+            assert getattr(parser.parse_args([flag, given]),
+                           flag[2:].replace("-", "_")) == "s3://bucket/runs"
     assert cifar_lccn.get_args_parser().parse_args(["--run-dir", "/mnt/runs"]).run_dir == \
         Path("/mnt/runs")
 
@@ -844,4 +845,3 @@ def test_a_run_dir_in_object_storage_needs_a_tracking_store_and_a_bucket(tmp_pat
         quickstart_ray.main(base)
     with pytest.raises(SystemExit, match="s3://no-such-bucket/runs: no bucket 'no-such-bucket'"):
         quickstart_ray.main([*base, "--no-tracking"])
-    assert not list(tmp_path.rglob("checkpoint_*"))

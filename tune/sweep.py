@@ -422,7 +422,9 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
     n_trials = expected_trials(space, num_samples)
     name = args.name or f"sweep-{args.job}-{time.strftime('%Y%m%d-%H%M%S')}"
     sweep_dir = common.normal_run_dir(args.sweep_dir or common.default_run_dir("sweep"))
-    endpoint = getattr(job_args, "s3_endpoint_url", None)
+    endpoint = storage.endpoint(getattr(job_args, "s3_endpoint_url", None))
+    if endpoint and hasattr(job_args, "s3_endpoint_url"):
+        job_args.s3_endpoint_url = endpoint  # every trial's, whatever its node's environment
     if storage.is_remote(sweep_dir):
         if args.scheduler == "pbt":
             raise SystemExit(f"error: --sweep-dir {sweep_dir}: a PBT sweep hands checkpoints "
@@ -433,14 +435,14 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
             raise SystemExit(f"error: {problem}")
     else:
         sweep_dir.mkdir(parents=True, exist_ok=True)
-    # data a job converts once for every trial: on this machine's disk
-    local = common.local_mirror(sweep_dir, "sweep") if storage.is_remote(sweep_dir) else sweep_dir
-    for line in prepare_job_data(args.job, job_args, local):
-        print(line, flush=True)
     try:
         tracking = tracking_uri_of(args, sweep_dir)
     except ValueError as e:
         raise SystemExit(f"error: --sweep-dir {e}") from None
+    # data a job converts once for every trial: on this machine's disk
+    local = common.local_mirror(sweep_dir, "sweep") if storage.is_remote(sweep_dir) else sweep_dir
+    for line in prepare_job_data(args.job, job_args, local):
+        print(line, flush=True)
     experiment = f"lccn-sweep-{name}"
     tune_fs, tune_root = storage.filesystem(storage.join(sweep_dir, "tune"),
                                             endpoint_url=endpoint)

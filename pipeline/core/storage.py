@@ -63,7 +63,7 @@ def check_location(value: str, *, what: str = "the directory") -> str:
         raise ValueError(
             f"{value}: {m.group(1)}:// is not supported for {what}; use s3://BUCKET/PREFIX "
             f"(AWS or an S3-compatible store) or a path on a file system every node shares")
-    rest = m.group(2).strip("/")
+    rest = re.sub(r"/+", "/", m.group(2)).strip("/")  # pyarrow refuses empty components
     if not rest:
         raise ValueError(f"{value}: an s3 location needs a bucket (s3://BUCKET/PREFIX)")
     return f"s3://{rest}"
@@ -87,16 +87,18 @@ def name(loc: Location) -> str:
 REQUEST_TIMEOUT_S, CONNECT_TIMEOUT_S = 60.0, 10.0
 
 
-def _endpoint(endpoint_url: str | None) -> str | None:
+def endpoint(endpoint_url: str | None = None) -> str | None:
+    """The S3 endpoint a process uses: ``endpoint_url`` if given, else
+    ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``, else None (AWS itself)."""
     return (endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3")
             or os.environ.get("AWS_ENDPOINT_URL") or None)
 
 
 @functools.lru_cache(maxsize=None)
-def _s3(bucket: str, endpoint: str | None) -> pafs.FileSystem:
+def _s3(bucket: str, url: str | None) -> pafs.FileSystem:
     opts = {"request_timeout": REQUEST_TIMEOUT_S, "connect_timeout": CONNECT_TIMEOUT_S}
-    if endpoint:
-        return pafs.S3FileSystem(endpoint_override=endpoint, **opts)
+    if url:
+        return pafs.S3FileSystem(endpoint_override=url, **opts)
     return pafs.S3FileSystem(region=pafs.resolve_s3_region(bucket), **opts)  # AWS itself
 
 
@@ -112,7 +114,7 @@ def filesystem(loc: Location, *, endpoint_url: str | None = None
         return _LOCAL, os.path.abspath(os.fspath(loc))
     path = check_location(str(loc))[len("s3://"):]
     try:
-        return _s3(path.split("/", 1)[0], _endpoint(endpoint_url)), path
+        return _s3(path.split("/", 1)[0], endpoint(endpoint_url)), path
     except OSError as e:
         raise StorageError(f"{loc}: {e}") from None
 
@@ -214,12 +216,12 @@ def check_bucket(loc: Location, *, endpoint_url: str | None = None) -> str | Non
     (no credentials, a wrong endpoint, a typo); None when it is (and for a path)."""
     if not is_remote(loc):
         return None
-    fs, path = filesystem(loc, endpoint_url=endpoint_url)
-    bucket = path.split("/", 1)[0]
+    bucket = check_location(str(loc))[len("s3://"):].split("/", 1)[0]
     try:
+        fs, _ = filesystem(loc, endpoint_url=endpoint_url)  # AWS: looks the region up
         kind = fs.get_file_info(bucket).type
     except OSError as e:
         return f"{loc}: the bucket {bucket!r} cannot be reached ({str(e)[:300]})"
     if kind == pafs.FileType.NotFound:
-        return f"{loc}: no bucket {bucket!r} at {_endpoint(endpoint_url) or 'AWS'} (create it first)"
+        return f"{loc}: no bucket {bucket!r} at {endpoint(endpoint_url) or 'AWS'} (create it first)"
     return None

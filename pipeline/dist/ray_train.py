@@ -127,7 +127,11 @@ class RaySession(TorchCollectives):
         endpoint = self.endpoint_url
         if self.rank == 0:
             registered = self._location(ckpt)
-            found = (newest_complete_checkpoint(self.checkpoint_root, endpoint_url=endpoint)
+            # strict: a checkpoint that cannot be read now (a network error) fails this
+            # start, and Ray Train starts the group again, rather than resuming from an
+            # older one or from nothing
+            found = (newest_complete_checkpoint(self.checkpoint_root, endpoint_url=endpoint,
+                                                strict=True)
                      if self.checkpoint_root is not None else None)
             chosen = str(found) if found is not None else registered
             if found is not None and registered is not None and \

@@ -154,7 +154,8 @@ class DistConfig:
                 object.__setattr__(self, name, tuple(getattr(self, name)))
         object.__setattr__(self, "mlflow_tags",
                            tuple((str(k), str(v)) for k, v in self.mlflow_tags))
-        storage.check_location(self.run_dir, what="DistConfig.run_dir")
+        object.__setattr__(self, "run_dir",
+                           storage.check_location(self.run_dir, what="DistConfig.run_dir"))
         if not storage.is_remote(self.run_dir) and not os.path.isabs(self.run_dir):
             raise ValueError(f"DistConfig.run_dir must be absolute (Ray workers chdir) or an "
                              f"s3:// URI, got {self.run_dir!r}")

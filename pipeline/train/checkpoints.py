@@ -141,10 +141,10 @@ def resume_problem(run: RunConfig, dist: Any) -> str | None:
         try:
             meta = json.loads(storage.read_text(storage.join(d, META_FILE), endpoint_url=endpoint))
             step = int(meta["global_step"])
+            if storage.is_file(storage.join(d, STATE_FILE), endpoint_url=endpoint):
+                metas.append((step, storage.name(d), d, meta))
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if storage.is_file(storage.join(d, STATE_FILE), endpoint_url=endpoint):
-            metas.append((step, storage.name(d), d, meta))
     if not metas:
         return None
     _, _, d, meta = max(metas)
@@ -219,6 +219,11 @@ def prune_checkpoints(root: Location, *, endpoint_url: str | None = None) -> lis
     except OSError as e:
         print(f"checkpoints under {root} left as they are: {e}", file=sys.__stdout__, flush=True)
         return []
+    deleted = []
     for d in doomed:
-        storage.delete_dir(d, endpoint_url=endpoint_url)
-    return [storage.name(d) for d in doomed]
+        try:
+            storage.delete_dir(d, endpoint_url=endpoint_url)
+            deleted.append(storage.name(d))
+        except OSError as e:  # a leftover folder costs space, never the run
+            print(f"could not remove {d}: {e}", file=sys.__stdout__, flush=True)
+    return deleted
