@@ -5,7 +5,8 @@ T-Revision, LCCN, LCCN*, LCCN+, DivideMix and DivideLCCN.
 Protocol (one setting, seed and method per run; every method the same):
 
 - training images: the first ``--train-size / 10`` of each class; per-channel normalisation
-  from them; random crop (pad 4) and horizontal flip; a 5% noisy validation split carved
+  from them; random crop (pad 4) and horizontal flip (`--augment none`: neither, the
+  memorisation protocol of cifar.md); a 5% noisy validation split carved
   from the training labels, never trained on, used for the selected epoch;
 - settings: ``asym0.5``, ``sym0.5``, ``idn0.4`` as in bench_cifar.py, and ``open0.3``: 30%
   of the training images replaced by a pixel-shuffled copy (out of distribution, observed
@@ -99,7 +100,8 @@ def load_setting(args: argparse.Namespace, name: str, seed: int):
     train_x, test_x = normalise(raw, mean, std), normalise(arrays.test_x, mean, std)
     if name != "open0.3":
         view = bench_cifar.noisy_view(name, clean, train_x, seed)
-    return view, train_x, test_x, arrays.test_y, RandomCropFlip(padding=4, fill=-mean / std)
+    aug = RandomCropFlip(padding=4, fill=-mean / std) if args.augment == "cropflip" else None
+    return view, train_x, test_x, arrays.test_y, aug
 
 
 def _show(method: str, epochs: int):
@@ -155,6 +157,7 @@ def run_one(args: argparse.Namespace, name: str, seed: int, method: str) -> dict
     hist = trainer.fit(on_epoch=_show(method, args.epochs))
     entry = {"history": hist, "wall_s": time.perf_counter() - t0, "config": asdict(cfg)}
     entry["summary"] = bench_cifar.summarise(entry)
+    entry["summary"].update(bench_cifar.regime(entry, bench_cifar.noise_floor(view)))
     result = {"setting": name, "seed": seed, "method": method, "argv": sys.argv[1:],
               "device": args.device, "realised_noise_rate": view.noise_rate(),
               "load_avg_end": os.getloadavg(), **entry}
@@ -163,7 +166,10 @@ def run_one(args: argparse.Namespace, name: str, seed: int, method: str) -> dict
     path.write_text(json.dumps(result, indent=1, default=float))
     s = entry["summary"]
     print(f"{name} seed {seed} {method}: final {100 * s['final_test']:.2f} selected "
-          f"{100 * s['selected_test']:.2f} (epoch {s['selected_epoch']}) "
+          f"{100 * s['selected_test']:.2f} (epoch {s['selected_epoch']}); peak "
+          f"{100 * s['peak_test']:.2f} at epoch {s['peak_epoch']} (drop {100 * s['drop']:.2f}), "
+          f"final training loss {s['final_loss']:.3f} against the noise floor "
+          f"{s['noise_floor']:.3f}: {'memorises' if s['memorises'] else 'does not memorise'} "
           f"[{entry['wall_s'] / 60:.1f} min] wrote {path}", flush=True)
     return result
 
@@ -215,7 +221,11 @@ def report(out: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = get_args_parser().parse_args(argv)
+    parser = get_args_parser()
+    args = parser.parse_args(argv)
+    if args.normalise != "channel":
+        parser.error("--normalise image is bench_cifar.py's (CE and LCCN); this bench "
+                     "normalises per channel")
     if args.report:
         print(report(args.out))
         return

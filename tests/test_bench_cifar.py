@@ -274,3 +274,32 @@ def test_regime_flags_a_run_that_memorises(bench):
     assert got["peak_epoch"] == 2 and abs(got["drop"] - 0.19) < 1e-12 and got["memorises"]
     assert not bench["regime"]({"history": hist[:2]}, 1.677)["memorises"]  # no drop
     assert not bench["regime"]({"history": hist}, 0.3)["memorises"]         # loss above floor
+
+
+def test_methods_bench_honours_the_memorisation_protocols_flags(monkeypatch):
+    """``--augment none`` reaches every method of the methods bench (it used to crop and flip
+    whatever the flag said), ``--weight-decay`` its optimiser, and ``--normalise image``,
+    which only bench_cifar.py applies, is refused rather than ignored."""
+    import types
+
+    import numpy as np
+
+    methods = runpy.run_path(str(ROOT / "benchmarks" / "bench_cifar_methods.py"),
+                             run_name="bench_cifar_methods")
+    rng = np.random.default_rng(0)
+    arrays = types.SimpleNamespace(
+        train_x=rng.integers(0, 256, (100, 3, 32, 32), dtype=np.uint8),
+        train_y=np.arange(100) % 10, test_x=rng.integers(0, 256, (20, 3, 32, 32),
+                                                         dtype=np.uint8),
+        test_y=np.arange(20) % 10)
+    monkeypatch.setitem(methods["load_setting"].__globals__, "load_cifar10",
+                        lambda *a, **k: arrays)
+    parse = methods["get_args_parser"]().parse_args
+    for flags, cropped in (([], True), (["--augment", "none"], False)):
+        args = parse(["--train-size", "100", "--weight-decay", "0", *flags])
+        view, train_x, *_, aug = methods["load_setting"](args, "sym0.5", 0)
+        assert (aug is not None) == cropped and len(view) == 100
+        cfg = methods["method_config"](args, "dividemix", 0, 10, view, "sym0.5")
+        assert cfg.optim.weight_decay == 0.0
+    with pytest.raises(SystemExit):
+        methods["main"](["--normalise", "image", "--report"])
