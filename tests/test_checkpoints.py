@@ -120,3 +120,29 @@ def test_a_delete_that_fails_leaves_the_folder_and_the_run_goes_on(root, monkeyp
     out = capfd.readouterr().out
     assert "could not remove" in out and "checkpoint_old" in out and "SlowDown" in out
     assert _left(root) == ["checkpoint_a", "checkpoint_old"]
+
+
+def test_a_resume_reads_the_chosen_state_once(root, monkeypatch):
+    """Rank 0 finds the newest complete checkpoint by loading it, and resumes from that
+    loaded state: from object storage a second read of ``state.pt`` is a second download."""
+    from types import SimpleNamespace
+
+    from pipeline.dist import ray_train
+    from pipeline.train.checkpoints import newest_complete_state
+
+    _write(root, "checkpoint_a", 250)
+    _write(root, "checkpoint_b", 260)
+    d, state = newest_complete_state(root)
+    assert storage.name(d) == "checkpoint_b" and state["global_step"] == 260
+    assert torch.equal(state["model"]["w"], load_state(d)["model"]["w"])
+
+    session = ray_train.RaySession.__new__(ray_train.RaySession)
+    session.rank, session.world_size = 0, 1
+    session._train = SimpleNamespace(get_checkpoint=lambda: None)
+    session.checkpoint_root, session.endpoint_url = root, None
+
+    def second_read(*a, **k):
+        raise AssertionError("state.pt read a second time")
+
+    monkeypatch.setattr(ray_train, "load_state", second_read)
+    assert session.load_checkpoint()["global_step"] == 260

@@ -17,7 +17,7 @@ Train V2 keeps ``checkpoint_manager_snapshot.json`` under ``<storage_path>/<name
 latest checkpoint to ``ray.train.get_checkpoint()``, so the run resumes: model, optimizer,
 data position and, through rank 0's ``StoreActor.open``, C and z. The worker resumes from
 the newest *complete* checkpoint on disk, which may be newer than the one Ray registered
-(:func:`newest_complete_checkpoint`); after ``fit()`` the driver removes the checkpoint
+(:func:`newest_complete_state`); after ``fit()`` the driver removes the checkpoint
 folders Ray does not manage (:func:`prune_checkpoints`).
 
 Worker (:func:`train_loop_per_worker`): rebuilds the configs from their ``asdict`` form,
@@ -48,7 +48,7 @@ from pipeline.dist.worker import DistConfig, run_worker
 from pipeline.train.checkpoints import (
     checkpoint_step,
     load_state,
-    newest_complete_checkpoint,
+    newest_complete_state,
     prune_checkpoints,
 )
 from pipeline.train.methods import get_method
@@ -120,19 +120,21 @@ class RaySession(TorchCollectives):
 
     def load_checkpoint(self) -> dict | None:
         """The newest complete checkpoint of the run: the one Ray Train hands over, or a
-        newer complete one on disk (see :func:`newest_complete_checkpoint`). Rank 0 decides
+        newer complete one on disk (see :func:`newest_complete_state`). Rank 0 decides
         and every rank loads the same one."""
         ckpt = self._train.get_checkpoint()
         chosen: str | None = None
         endpoint = self.endpoint_url
+        loaded: dict | None = None  # rank 0's state of ``found``, read once
         if self.rank == 0:
             registered = self._location(ckpt)
             # strict: a checkpoint that cannot be read now (a network error) fails this
             # start, and Ray Train starts the group again, rather than resuming from an
             # older one or from nothing
-            found = (newest_complete_checkpoint(self.checkpoint_root, endpoint_url=endpoint,
-                                                strict=True)
-                     if self.checkpoint_root is not None else None)
+            newest = (newest_complete_state(self.checkpoint_root, endpoint_url=endpoint,
+                                            strict=True)
+                      if self.checkpoint_root is not None else None)
+            found, loaded = newest if newest is not None else (None, None)
             chosen = str(found) if found is not None else registered
             if found is not None and registered is not None and \
                     storage.name(registered) != storage.name(found):
@@ -160,6 +162,8 @@ class RaySession(TorchCollectives):
             chosen = self._location(ckpt)
         if chosen is None:
             return None
+        if loaded is not None and chosen == str(found):
+            return loaded
         if self.checkpoint_root is None and ckpt is not None and chosen == ckpt.path:
             with ckpt.as_directory() as d:  # Ray's own storage: Ray fetches it
                 return load_state(d)

@@ -159,8 +159,19 @@ def resume_problem(run: RunConfig, dist: Any) -> str | None:
 def newest_complete_checkpoint(root: Location, *, endpoint_url: str | None = None,
                                strict: bool = False) -> Location | None:
     """The ``checkpoint_*`` folder under ``root`` with the largest global step whose
-    ``meta.json`` and ``state.pt`` both load and agree; None if there is none. ``root`` is
-    a path or an ``s3://`` prefix; the folder is of the same kind.
+    ``meta.json`` and ``state.pt`` both load and agree; None if there is none
+    (:func:`newest_complete_state`, without the state)."""
+    found = newest_complete_state(root, endpoint_url=endpoint_url, strict=strict)
+    return None if found is None else found[0]
+
+
+def newest_complete_state(root: Location, *, endpoint_url: str | None = None,
+                          strict: bool = False) -> tuple[Location, dict] | None:
+    """The ``checkpoint_*`` folder under ``root`` with the largest global step whose
+    ``meta.json`` and ``state.pt`` both load and agree, and its loaded state (a resume uses
+    it rather than reading ``state.pt`` again: from object storage that is a second
+    download); None if there is none. ``root`` is a path or an ``s3://`` prefix; the
+    folder is of the same kind.
 
     Rank 0 writes a checkpoint at one consistent moment and then reports it; Ray Train
     registers it only when every rank's report reaches its controller. A failure in between
@@ -185,7 +196,7 @@ def newest_complete_checkpoint(root: Location, *, endpoint_url: str | None = Non
                   file=sys.__stdout__, flush=True)
             continue
         if int(state.get("global_step", -1)) == step:
-            return d
+            return d, state
     return None
 
 
