@@ -214,6 +214,20 @@ def report(out: Path) -> str:
         held = all(a >= b for a, b in zip(vals, vals[1:]))
         lines.append(f"- {s}: " + " ≥ ".join(f"{m} {v:.2f}" for m, v in zip(order, vals))
                      + (" — holds" if held else " — does not hold"))
+    regimes = [r for r in runs if "noise_floor" in r["summary"]]
+    if regimes:
+        lines += ["", "Regime per run (peak test % (epoch), drop to the final epoch, final "
+                      "training loss against the noise floor H(observed | clean); memorises = "
+                      "drop ≥ 5 and loss < floor):", "",
+                  "| setting | seed | method | peak (epoch) | drop | final loss / floor | "
+                  "memorises |", "|---|---|---|---|---|---|---|"]
+        for r in sorted(regimes, key=lambda r: (SETTINGS.index(r["setting"]), r["seed"],
+                                                METHODS.index(r["method"]))):
+            g = r["summary"]
+            lines.append(f"| {r['setting']} | {r['seed']} | {r['method']} | "
+                         f"{100 * g['peak_test']:.2f} ({g['peak_epoch']}) | "
+                         f"{100 * g['drop']:.2f} | {g['final_loss']:.3f} / "
+                         f"{g['noise_floor']:.3f} | {'yes' if g['memorises'] else 'no'} |")
     walls = {m: np.median([r["wall_s"] for r in runs if r["method"] == m]) / 60 for m in methods}
     lines += ["", "Median wall minutes per run: " + ", ".join(f"{m} {w:.1f}"
                                                             for m, w in walls.items())]

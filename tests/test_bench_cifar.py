@@ -303,3 +303,22 @@ def test_methods_bench_honours_the_memorisation_protocols_flags(monkeypatch):
         assert cfg.optim.weight_decay == 0.0
     with pytest.raises(SystemExit):
         methods["main"](["--normalise", "image", "--report"])
+
+
+def test_methods_report_tabulates_the_regime_of_each_run(tmp_path):
+    """The methods report says per run whether it memorised (runs recorded before the regime
+    was, without a noise floor, are left out of that table, not failed)."""
+    import json
+
+    methods = runpy.run_path(str(ROOT / "benchmarks" / "bench_cifar_methods.py"),
+                             run_name="bench_cifar_methods")
+    base = {"final_test": 0.33, "selected_test": 0.5, "transition_error": float("nan")}
+    regime = {"peak_test": 0.52, "peak_epoch": 13, "drop": 0.19, "final_loss": 0.34,
+              "noise_floor": 1.66, "memorises": True}
+    for method, summary in (("ce", {**base, **regime}), ("forward", base)):
+        (tmp_path / f"sym0.5-seed0-{method}.json").write_text(json.dumps(
+            {"setting": "sym0.5", "seed": 0, "method": method, "wall_s": 60.0,
+             "summary": summary}))
+    text = methods["report"](tmp_path)
+    assert "| sym0.5 | 0 | ce | 52.00 (13) | 19.00 | 0.340 / 1.660 | yes |" in text
+    assert "| sym0.5 | 0 | forward |" not in text and "| forward | 33.00 / 50.00 |" in text
