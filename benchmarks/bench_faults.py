@@ -242,6 +242,16 @@ def training_rows(tmp: Path) -> list[Row]:
         ray.shutdown()
 
 
+def commit_line(out: dict, stats: dict) -> str:
+    """The store's steps applied against one commit per LCCN step and rank (plus the
+    initial assignments), and its refused and duplicate commits and actor take-overs."""
+    exact = out["version"] == out["expected_version"]
+    return (f"{'none lost or doubled' if exact else 'MISMATCH'}: steps applied "
+            f"{out['version']} = {out['expected_version']} expected; refused "
+            f"{stats.get('refused', 0):.0f}, duplicates {stats.get('duplicates', 0):.0f}, "
+            f"actor take-overs {stats.get('restored', 0):.0f}")
+
+
 def summarise(fault: str, how: str, out: dict, base: float) -> Row:
     row = Row(fault, how)
     row.notes += out.get("kills", [])
@@ -253,11 +263,7 @@ def summarise(fault: str, how: str, out: dict, base: float) -> Row:
     row.outcome = "survived" + (f", resumed at epoch {out['resumed'][0]:.0f} batch "
                                 f"{out['resumed'][1]:.0f}" if out["resumed"][0] >= 0 else "")
     row.chain = "C == recount(z)" if out["chain_ok"] else "BROKEN"
-    exact = out["version"] == out["expected_version"]
-    row.commits = (f"{'none lost or doubled' if exact else 'MISMATCH'}: steps applied "
-                   f"{out['version']} = {out['expected_version']} expected; refused "
-                   f"{st.get('refused', 0):.0f}, duplicates {st.get('duplicates', 0):.0f}, "
-                   f"actor take-overs {st.get('restored', 0):.0f}")
+    row.commits = commit_line(out, st)
     row.lost_s = "0 (reference)" if fault.startswith("none") else f"{out['seconds'] - base:+.0f}"
     return row
 

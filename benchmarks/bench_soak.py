@@ -105,15 +105,10 @@ def one_run(root: Path, name: str, *, seed: int, epochs: int, max_failures: int,
 def describe(out: dict[str, Any]) -> dict[str, str]:
     if not out.get("ok"):
         return {"outcome": f"stopped with an error after {out['seconds']:.0f} s: {out['error']}"}
-    st = out.get("stats") or {}
-    exact = out["version"] == out["expected_version"]
     return {
         "outcome": f"finished after {out['seconds']:.0f} s",
         "chain": "C == recount(z)" if out.get("chain_ok") else "BROKEN",
-        "commits": (f"{'none lost or doubled' if exact else 'MISMATCH'}: steps applied "
-                    f"{out['version']} = {out['expected_version']} expected; refused "
-                    f"{st.get('refused', 0):.0f}, duplicates {st.get('duplicates', 0):.0f}, "
-                    f"actor take-overs {st.get('restored', 0):.0f}"),
+        "commits": faults.commit_line(out, out.get("stats") or {}),
         "test": f"{100 * out['test_top1']:.2f}",
     }
 
