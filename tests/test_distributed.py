@@ -756,7 +756,8 @@ def test_mlflow_run_holds_metrics_figures_and_checkpoint(chaos_run, tmp_path):
     val = client.get_metric_history(run.info.run_id, "val_top1")
     assert sorted({m.step for m in val}) == list(range(EPOCHS))
     assert {"staleness", "sync_time", "transition_error", "steps_per_s", "latent_entropy",
-            "z_agreement", "phi_drift", "collapse"} <= set(run.data.metrics)
+            "z_agreement", "phi_drift", "collapse", "observed_loss",
+            "noise_floor"} <= set(run.data.metrics)
     files = {f.path for f in client.list_artifacts(run.info.run_id)}
     assert {"transitions", "transition.csv", "checkpoint", "curves.png"} <= files
     figs = {f.path for f in client.list_artifacts(run.info.run_id, "transitions")}

@@ -276,6 +276,26 @@ def test_collapse_monitor_fires_on_a_collapsed_chain_and_not_on_a_healthy_one():
         CollapseMonitor(MonitorConfig()).check(healthy)  # no validation split: no val check
 
 
+def test_noise_floor_is_the_label_noises_entropy_under_the_class_shares():
+    """H(observed | clean): 1.68 nats for symmetric 0.5 over 10 classes (0.55 kept, 0.05 to
+    each other class); a noiseless class adds nothing; an outlier row is not read."""
+    from pipeline.core.monitor import noise_floor
+
+    sym = torch.full((10, 10), 0.05) + 0.5 * torch.eye(10)
+    h = -(0.55 * math.log(0.55) + 9 * 0.05 * math.log(0.05))
+    assert noise_floor(sym, torch.ones(10)) == pytest.approx(h) and h == pytest.approx(1.677,
+                                                                                       abs=1e-3)
+    half = sym.clone()
+    half[5:] = torch.eye(10)[5:]  # classes 5-9 clean, as many samples as 0-4
+    assert noise_floor(half, torch.ones(10)) == pytest.approx(h / 2)
+    assert noise_floor(half, torch.tensor([1.0] * 5 + [0.0] * 5)) == pytest.approx(h)
+    with_outlier = torch.cat([2 * sym, torch.full((1, 10), 0.1)])  # rows need not sum to 1
+    assert noise_floor(with_outlier, torch.ones(10)) == pytest.approx(h)
+    health = chain_health(torch.arange(10).repeat(5), torch.arange(10).repeat(5), 10, 10,
+                          phi=sym, phi_init=sym)
+    assert health["noise_floor"] == pytest.approx(h)
+
+
 def test_collapse_monitor_checks_validation_only_at_or_below_the_starts_learning_rate():
     """A restarted schedule (LCCN from a finished run, at a far higher rate than its start
     was trained at) costs any method accuracy at first: the validation check waits until

@@ -84,6 +84,16 @@ def test_epoch_metrics_and_chain_invariants_after_training():
     assert hist[-1]["gamma"] == pytest.approx(expected)
     assert hist[-1]["staleness"] == 0.0  # one worker sees every commit
     assert hist[-1]["test_top1"] > 0.5 and hist[-1]["loss"] < hist[0]["loss"]
+    # the memorisation signal: the classifier's loss on the observed labels (CE's own loss in
+    # the CE epoch, another quantity than LCCN's loss after it) and the noise floor the
+    # warm-up's phi implies under the chain's class shares
+    from pipeline.core.monitor import noise_floor
+
+    assert hist[0]["observed_loss"] == pytest.approx(hist[0]["loss"], rel=1e-5)
+    assert all(np.isfinite(r["observed_loss"]) for r in hist)
+    assert hist[-1]["observed_loss"] != pytest.approx(hist[-1]["loss"], rel=1e-3)
+    shares = torch.bincount(store.z[store.counted], minlength=10)
+    assert hist[-1]["noise_floor"] == pytest.approx(noise_floor(trainer.phi_init, shares))
     # the target ramp is counted in the trainer's epochs: one (the default) is over after
     # the first LCCN epoch's steps, whatever the length of the phase
     lab = trainer.labeler

@@ -48,7 +48,11 @@ def chain_health(z: Tensor, observed: Tensor, k_latent: int, num_classes: int, *
     of the first K latent classes relative to the smallest observed class; 0 = a class
     vanished), ``z_agreement`` (fraction with z = observed), ``outlier_share`` (fraction in
     the outlier row, 0 without one) and, when both are given, ``phi_drift`` (mean absolute
-    difference between phi and phi_init).
+    difference between phi and phi_init). With ``phi_init``: ``noise_floor``, the label-noise
+    entropy H(observed | clean) in nats that ``phi_init`` (the warm-up's estimate) implies,
+    ``sum_k pi_k H(phi_init[k])`` with ``pi`` the chain's latent-class shares over the first
+    K classes: a classifier whose loss on the observed labels (the epoch row's
+    ``observed_loss``) falls below it fits labels it cannot know without memorising them.
     """
     if counted is not None:
         z, observed = z[counted], observed[counted]
@@ -65,7 +69,23 @@ def chain_health(z: Tensor, observed: Tensor, k_latent: int, num_classes: int, *
     if phi is not None and phi_init is not None:
         out["phi_drift"] = float((phi.to(torch.float64) - phi_init.to(torch.float64))
                                  .abs().mean())
+    if phi_init is not None:
+        out["noise_floor"] = noise_floor(phi_init, zh[:num_classes])
     return out
+
+
+def noise_floor(phi: Tensor, latent_hist: Tensor) -> float:
+    """H(observed | clean) in nats of a transition ``phi`` (rows: latent classes; only the
+    first ``len(latent_hist)`` are read) under the class shares ``latent_hist``: the lowest
+    mean loss on the observed labels of a classifier that knows each image's clean class
+    and nothing of its label's noise."""
+    k = latent_hist.numel()
+    t = phi[:k].to(torch.float64)
+    t = t / t.sum(1, keepdim=True).clamp_min(1e-300)
+    pi = latent_hist.to(torch.float64)
+    pi = pi / pi.sum().clamp_min(1.0)
+    rows = -(t * torch.where(t > 0, t, torch.ones_like(t)).log()).sum(1)
+    return float((pi * rows).sum())
 
 
 def memorisation_epoch(history: Sequence[Mapping[str, float]], *, first_epoch: int,

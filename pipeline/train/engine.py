@@ -151,8 +151,8 @@ class EngineOptions:
     export_path: str | None = None
 
 
-_REDUCED = ("loss", "label_recovery", "changed", "staleness", "gamma", "step_time",
-            "sampler_time", "sync_time", "sampler_share", "images_per_s", "steps")
+_REDUCED = ("loss", "observed_loss", "label_recovery", "changed", "staleness", "gamma",
+            "step_time", "sampler_time", "sync_time", "sampler_share", "images_per_s", "steps")
 
 
 def _epoch_row(stats: dict[str, float], session: Session, *, epoch: int, global_step: int,

@@ -110,8 +110,11 @@ def run_pass(task: Task, batches: Iterable[Any], *, device: torch.device | str =
              after_step: Callable[[], None] | None = None,
              scalers: Mapping[int, Any] | None = None) -> dict[str, float]:
     """One pass of ``task`` over ``batches`` (see the module doc). Returns loss (the mean
-    over valid samples, averaged over the networks), label_recovery (network 0's target ==
-    clean where the clean label is known), changed, staleness, gamma, step_time,
+    over valid samples, averaged over the networks), observed_loss (a one-network task's
+    mean cross-entropy of the classifier against the labels CE trains on, whatever its own
+    loss: below the noise's entropy it is memorising them; NaN where not measured),
+    label_recovery (network 0's target == clean where the clean label is known), changed,
+    staleness, gamma, step_time,
     sampler_time, sync_time (per step), sampler_share (of the pass's time), images_per_s
     and steps.
 
@@ -173,6 +176,7 @@ def run_pass(task: Task, batches: Iterable[Any], *, device: torch.device | str =
         "loss": host["loss"] / max(n, 1),
         "label_recovery": host["recovered"] / known_n if known_n else float("nan"),
         "changed": float(own.get("changed", 0.0)),
+        "observed_loss": float(own.get("observed_loss", float("nan"))),
         "staleness": float(own.get("staleness", 0.0)),
         "gamma": float(own.get("gamma", 1.0)),
         "step_time": elapsed / per,
@@ -219,6 +223,7 @@ class LabelTask(Task):
         self.model.train()
         self.steps = 0
         self.changed: Tensor | None = None  # summed on the device, read once in end()
+        self.fit_sum: Tensor | None = None  # (loss, count) summed on the observed labels
         self.staleness = self.sampler = self.sync = 0.0
         self.gamma = 1.0
 
@@ -236,6 +241,11 @@ class LabelTask(Task):
         self.steps += 1
         logits = self.model(step.images)
         w = step.valid.to(torch.float32)
+        # the classifier's own fit of the labels CE trains on, whatever the method's loss
+        # (the memorisation signal, against LCCN's noise_floor): no gradient, no device read
+        nll = -torch.log_softmax(logits.detach().float(), 1).gather(1, labels_d[:, None])[:, 0]
+        fit = torch.stack(((nll * w).sum(), w.sum())).to(torch.float64)
+        self.fit_sum = fit if self.fit_sum is None else self.fit_sum + fit
         if lab is None:
             if self.loss_fn is not None:
                 return self.loss_fn(logits, labels_d, w), labels_d
@@ -283,12 +293,14 @@ class LabelTask(Task):
         self.sync += time.perf_counter() - t0
 
     def end(self) -> dict[str, float]:
+        obs = [float("nan"), 0.0] if self.fit_sum is None else self.fit_sum.tolist()
+        fit = {"observed_loss": obs[0] / obs[1] if obs[1] > 0 else float("nan")}
         if self.labeler is None:
-            return {}
+            return fit
         self.sync += self.labeler.flush()
         per = max(self.steps, 1)
         changed = 0.0 if self.changed is None else float(self.changed)
-        return {"changed": changed / per, "staleness": self.staleness / per,
+        return {**fit, "changed": changed / per, "staleness": self.staleness / per,
                 "gamma": float(self.gamma), "sampler_time": self.sampler,
                 "sync_time": self.sync}
 
