@@ -291,9 +291,6 @@ def test_noise_floor_is_the_label_noises_entropy_under_the_class_shares():
     assert noise_floor(half, torch.tensor([1.0] * 5 + [0.0] * 5)) == pytest.approx(h)
     with_outlier = torch.cat([2 * sym, torch.full((1, 10), 0.1)])  # rows need not sum to 1
     assert noise_floor(with_outlier, torch.ones(10)) == pytest.approx(h)
-    health = chain_health(torch.arange(10).repeat(5), torch.arange(10).repeat(5), 10, 10,
-                          phi=sym, phi_init=sym)
-    assert health["noise_floor"] == pytest.approx(h)
 
 
 def test_collapse_monitor_checks_validation_only_at_or_below_the_starts_learning_rate():
@@ -357,6 +354,17 @@ def test_memorisation_epoch_watches_the_decayed_rate_and_needs_patience():
         LCCNConfig(guard_patience=0)
     with pytest.raises(ValueError, match="guard_targets must be one of"):
         LCCNConfig(guard_targets="soft")
+
+
+def test_floor_epoch_is_the_first_noise_phase_epoch_below_the_floor():
+    from pipeline.core.monitor import floor_epoch
+
+    rows = [{"epoch": float(e), "observed_loss": fit, "noise_floor": floor}
+            for e, (fit, floor) in enumerate([(1.2, math.nan), (1.9, 1.7), (1.75, 1.7),
+                                              (1.6, 1.7), (1.2, 1.7)])]
+    assert floor_epoch(rows, first_epoch=0) == 3  # NaN (no floor yet) never fires
+    assert floor_epoch(rows, first_epoch=4) == 4
+    assert floor_epoch(rows[:3], first_epoch=0) is None
 
 
 def test_the_monitor_replay_gives_back_the_recorded_gpu_restart_warnings():

@@ -86,14 +86,16 @@ def test_epoch_metrics_and_chain_invariants_after_training():
     assert hist[-1]["test_top1"] > 0.5 and hist[-1]["loss"] < hist[0]["loss"]
     # the memorisation signal: the classifier's loss on the observed labels (CE's own loss in
     # the CE epoch, another quantity than LCCN's loss after it) and the noise floor the
-    # warm-up's phi implies under the chain's class shares
+    # warm-up's phi implies under the training labels' class shares
     from pipeline.core.monitor import noise_floor
 
     assert hist[0]["observed_loss"] == pytest.approx(hist[0]["loss"], rel=1e-5)
     assert all(np.isfinite(r["observed_loss"]) for r in hist)
     assert hist[-1]["observed_loss"] != pytest.approx(hist[-1]["loss"], rel=1e-3)
-    shares = torch.bincount(store.z[store.counted], minlength=10)
-    assert hist[-1]["noise_floor"] == pytest.approx(noise_floor(trainer.phi_init, shares))
+    shares = torch.bincount(store.observed[store.counted], minlength=10)
+    floor = noise_floor(trainer.phi_init, shares)
+    assert np.isnan(hist[0]["noise_floor"]) and 0.5 < floor < 2.0
+    assert [r["noise_floor"] for r in hist[1:]] == pytest.approx([floor, floor])
     # the target ramp is counted in the trainer's epochs: one (the default) is over after
     # the first LCCN epoch's steps, whatever the length of the phase
     lab = trainer.labeler
@@ -725,3 +727,25 @@ def test_the_memorisation_guard_switches_to_hard_targets_and_the_anchored_prior(
     state = trainer.engine.chain.read()
     assert torch.equal(state["counts"], count_matrix(state["z"], state["observed"], 10, 10,
                                                      counted=state["counted"]))
+
+
+def test_the_floor_guard_switches_once_the_classifier_fits_below_the_noise_floor(capsys):
+    """LCCNConfig.guard_floor: the epoch whose observed_loss falls below the warm-up's noise
+    floor switches the rest of the run to sampled targets with the anchored prior (digits
+    memorise within a few epochs at lr 0.05 and 40% pair flips: the floor is ~0.5 nats)."""
+    from pipeline.core.monitor import floor_epoch
+
+    xtr, ytr, xte, yte = _digits()
+    view = pair_flip(ytr, 10, CIFAR10_ASYM_MAP, 0.4, seed=0)
+    cfg = replace(_short_cfg(guard_floor=True), val_fraction=0.1,
+                  optim=OptimConfig(epochs=6, pretrain_epochs=1, batch_size=32, lr=0.05))
+    trainer = LocalTrainer(cfg, TensorData(xtr, view), TensorData(xte, clean_view(yte)))
+    rows = trainer.fit()
+    at = floor_epoch(rows[:-1], first_epoch=1)
+    assert at is not None, [(r["observed_loss"], r["noise_floor"]) for r in rows]
+    assert rows[at]["observed_loss"] < rows[at]["noise_floor"]
+    assert all(r["observed_loss"] >= r["noise_floor"] for r in rows[1:at])
+    assert [r["guarded"] for r in rows[1:]] == [float(e > at) for e in range(1, 6)]
+    assert trainer.method.guarded_at == at and trainer.method.labeler.cfg.targets == "sample"
+    assert f"fell below the noise floor {rows[1]['noise_floor']:.3f} (epoch {at})" in \
+        capsys.readouterr().out

@@ -149,6 +149,12 @@ class LCCNConfig:
         asymmetric 0.5: 55.3 against 53.6, instance-dependent 0.4: 39.8 against 38.7) but
         switches 4-8 epochs after the peak, too late to reach CE at symmetric 0.5 (33.3);
         hence off.
+    guard_floor: the same switch on the earlier signal: at the end of the first LCCN epoch
+        whose ``observed_loss`` (the classifier's loss on the observed labels) falls below
+        its ``noise_floor`` (the label noise's entropy that the warm-up's φ implies). In
+        the recorded CE runs this crossing comes at the peak test epoch where CE memorises
+        and never where it does not (benchmarks/results/cifar.md). Off by default; either
+        signal switches when both are on.
     report_epochs: the label-issue report (:mod:`pipeline.track.label_issues`) averages each
         training sample's Eq. 7 posterior over the run's last this many LCCN epochs
         (0: off; memory N x K_latent floats per worker).
@@ -181,6 +187,7 @@ class LCCNConfig:
     guard_patience: int = 2
     guard_targets: str = field(default="sample", metadata={"choices": TARGETS})
     guard_prior_strength: float = 1.0
+    guard_floor: bool = False
 
     def __post_init__(self) -> None:
         alphas = self.alpha if isinstance(self.alpha, (tuple, list)) else (self.alpha,)

@@ -48,11 +48,7 @@ def chain_health(z: Tensor, observed: Tensor, k_latent: int, num_classes: int, *
     of the first K latent classes relative to the smallest observed class; 0 = a class
     vanished), ``z_agreement`` (fraction with z = observed), ``outlier_share`` (fraction in
     the outlier row, 0 without one) and, when both are given, ``phi_drift`` (mean absolute
-    difference between phi and phi_init). With ``phi_init``: ``noise_floor``, the label-noise
-    entropy H(observed | clean) in nats that ``phi_init`` (the warm-up's estimate) implies,
-    ``sum_k pi_k H(phi_init[k])`` with ``pi`` the chain's latent-class shares over the first
-    K classes: a classifier whose loss on the observed labels (the epoch row's
-    ``observed_loss``) falls below it fits labels it cannot know without memorising them.
+    difference between phi and phi_init).
     """
     if counted is not None:
         z, observed = z[counted], observed[counted]
@@ -69,8 +65,6 @@ def chain_health(z: Tensor, observed: Tensor, k_latent: int, num_classes: int, *
     if phi is not None and phi_init is not None:
         out["phi_drift"] = float((phi.to(torch.float64) - phi_init.to(torch.float64))
                                  .abs().mean())
-    if phi_init is not None:
-        out["noise_floor"] = noise_floor(phi_init, zh[:num_classes])
     return out
 
 
@@ -78,7 +72,9 @@ def noise_floor(phi: Tensor, latent_hist: Tensor) -> float:
     """H(observed | clean) in nats of a transition ``phi`` (rows: latent classes; only the
     first ``len(latent_hist)`` are read) under the class shares ``latent_hist``: the lowest
     mean loss on the observed labels of a classifier that knows each image's clean class
-    and nothing of its label's noise."""
+    and nothing of its label's noise. A classifier whose loss on the observed labels (the
+    epoch rows' ``observed_loss``) falls below it fits labels it cannot know without
+    memorising them."""
     k = latent_hist.numel()
     t = phi[:k].to(torch.float64)
     t = t / t.sum(1, keepdim=True).clamp_min(1e-300)
@@ -121,6 +117,21 @@ def memorisation_epoch(history: Sequence[Mapping[str, float]], *, first_epoch: i
         else:
             below = 0
         best = max(best, val)
+    return None
+
+
+def floor_epoch(history: Sequence[Mapping[str, float]], *, first_epoch: int) -> int | None:
+    """The first epoch from ``first_epoch`` on whose row has the classifier's loss on the
+    observed labels below the label noise's entropy (``observed_loss < noise_floor``,
+    :attr:`LCCNConfig.guard_floor`), or None: it fits labels it cannot know without
+    memorising them."""
+    for r in history:
+        if int(r.get("epoch", -1)) < first_epoch:
+            continue
+        fit, floor = float(r.get("observed_loss", math.nan)), float(r.get("noise_floor",
+                                                                          math.nan))
+        if fit < floor:  # False for NaN
+            return int(r["epoch"])
     return None
 
 

@@ -54,6 +54,7 @@ FLAGS: dict[str, str] = {
     "--guard-patience": "lccn.guard_patience",
     "--guard-targets": "lccn.guard_targets",
     "--guard-prior-strength": "lccn.guard_prior_strength",
+    "--guard-floor": "lccn.guard_floor",
     "--refresh-steps": "lccn.refresh_steps",
     "--commit-every": "lccn.commit_every",
     "--report-epochs": "lccn.report_epochs",

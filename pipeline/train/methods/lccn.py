@@ -16,7 +16,13 @@ import torch
 from torch import Tensor
 
 from pipeline.core.confusion import transition, transition_error
-from pipeline.core.monitor import CollapseMonitor, chain_health, memorisation_epoch
+from pipeline.core.monitor import (
+    CollapseMonitor,
+    chain_health,
+    floor_epoch,
+    memorisation_epoch,
+    noise_floor,
+)
 from pipeline.core.posterior import STATE_KEY, PosteriorWindow
 from pipeline.core.warmup import estimate_phi_init, initial_latents
 from pipeline.train.labeler import GibbsLabeler
@@ -72,6 +78,8 @@ class LCCN(Method):
         # classifier memorising, after which self.cfg holds the switched targets and prior
         self.guarded_at: int | None = None
         self.phi_init: Tensor | None = None
+        # H(observed | clean) that phi_init implies (every rank's rows: the guard reads it)
+        self.noise_floor: float | None = None
         self.lccn_step = 0
         self.labeler: GibbsLabeler | None = None
         self.pretrained_probs: Tensor | None = None
@@ -108,6 +116,10 @@ class LCCN(Method):
         phi_init = estimate_phi_init(lc, probs, observed, eng.k_latent, self.num_classes,
                                      reduce=eng.reduce_cpu)
         self.pretrained_probs = probs
+        # the class shares: the training labels' over every rank (phi_init's columns)
+        shares = eng.reduce_cpu(torch.bincount(observed.long(),
+                                               minlength=self.num_classes).double())
+        self.noise_floor = noise_floor(phi_init, shares)
         z0 = initial_latents(lc, observed, probs, phi_init)
         eng.chain.start(idx, z0, k_latent=eng.k_latent, trusted=self.trusted, clean=data.clean)
         self.phi_init = phi_init
@@ -118,15 +130,27 @@ class LCCN(Method):
         """The memorisation guard: from the epoch rows so far (every rank holds the same,
         a resumed run its checkpoint's), switch the rest of the run to
         ``guard_targets`` and the anchored prior once they show the classifier memorising
-        (:func:`~pipeline.core.monitor.memorisation_epoch`). The labeler is made again with
+        (:func:`~pipeline.core.monitor.memorisation_epoch`, ``guard_drop``; and
+        :func:`~pipeline.core.monitor.floor_epoch`, ``guard_floor``: the first to fire
+        switches). The labeler is made again with
         the new prior at the next :meth:`begin_epoch` (its counts: the store's)."""
         lc = self.cfg
-        if lc.guard_drop <= 0 or self.guarded_at is not None:
+        if (lc.guard_drop <= 0 and not lc.guard_floor) or self.guarded_at is not None:
             return
-        at = memorisation_epoch(self.engine.history, first_epoch=self.run.optim.pretrain_epochs,
-                                drop=lc.guard_drop, patience=lc.guard_patience)
-        if at is None:
+        first, hist = self.run.optim.pretrain_epochs, self.engine.history
+        val = (memorisation_epoch(hist, first_epoch=first, drop=lc.guard_drop,
+                                  patience=lc.guard_patience) if lc.guard_drop > 0 else None)
+        floor = floor_epoch(hist, first_epoch=first) if lc.guard_floor else None
+        fired = sorted(
+            ([(val, f"the noisy validation accuracy has been more than {lc.guard_drop:g} "
+                    f"below its best for {lc.guard_patience} epochs (to epoch {val})")]
+             if val is not None else [])
+            + ([(floor, f"the classifier's loss on the observed labels fell below the noise "
+                        f"floor {self.noise_floor:.3f} (epoch {floor})")]
+               if floor is not None else []))
+        if not fired:
             return
+        at, why = fired[0]
         self.guarded_at = at
         self.cfg = replace(lc, targets=lc.guard_targets,
                            prior_strength=max(lc.prior_strength, lc.guard_prior_strength))
@@ -135,9 +159,7 @@ class LCCN(Method):
             self.lccn_step = self.labeler.step_count
             self.labeler = None
         if self.engine.session.rank == 0:
-            print(f"[lccn] memorisation guard: the noisy validation accuracy has been more "
-                  f"than {lc.guard_drop:g} below its best for {lc.guard_patience} epochs "
-                  f"(to epoch {at}); from epoch {epoch} on LCCN trains on "
+            print(f"[lccn] memorisation guard: {why}; from epoch {epoch} on LCCN trains on "
                   f"{self.cfg.targets} targets with prior_strength "
                   f"{self.cfg.prior_strength:g}", flush=True)
 
@@ -207,7 +229,8 @@ class LCCN(Method):
     def epoch_stats(self) -> dict[str, float]:
         return {"staleness_max": float(getattr(self.labeler, "max_staleness", 0))
                 if self.labeler is not None else 0.0,
-                "guarded": float(self.guarded_at is not None)}
+                "guarded": float(self.guarded_at is not None),
+                "noise_floor": float("nan") if self.noise_floor is None else self.noise_floor}
 
     def observe_chain(self, state: dict | None, *, epoch: int,
                       row: dict[str, float] | None) -> dict[str, float]:
@@ -255,6 +278,7 @@ class LCCN(Method):
 
     def state_dict(self) -> dict[str, Any]:
         return {"lccn_step": self.lccn_step, "phi_init": self.phi_init,
+                "noise_floor": self.noise_floor,
                 **self.monitor.state_dict(),
                 "outlier_mean": (None if self.outlier_mean is None
                                  else self.outlier_mean.state_dict()),
@@ -263,6 +287,7 @@ class LCCN(Method):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.lccn_step = int(state.get("lccn_step", 0))
         self.phi_init = state.get("phi_init")
+        self.noise_floor = state.get("noise_floor")
         self.monitor.load_state_dict(state)
         saved = state.get("outlier_mean")
         if saved is not None and self.outlier_mean is not None:
