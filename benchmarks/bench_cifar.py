@@ -83,7 +83,7 @@ FLAGS = ("--model", "--epochs", "--pretrain-epochs", "--milestones", "--lr", "--
          "--weight-decay", "--ema-decay", "--norm-weight-decay", "--bn-momentum", "--compile", "--val-fraction",
          "--alpha", "--prior-strength", "--warmup-steps", "--warmup", "--targets", "--init", "--warmup-prior",
          "--ramp-epochs", "--refresh-steps", "--guard-drop", "--guard-patience", "--guard-targets",
-         "--guard-prior-strength", "--guard-floor")
+         "--guard-prior-strength", "--guard-floor", "--guard-sampler")
 DEFAULTS = {"--model": "cnn_wide", "--epochs": 24, "--pretrain-epochs": 8,
             "--milestones": (16, 21), "--lr": 0.1, "--batch-size": 128,
             "--warmup-steps": UNSET}

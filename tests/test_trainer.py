@@ -737,10 +737,12 @@ def test_the_floor_guard_switches_once_the_classifier_fits_below_the_noise_floor
 
     xtr, ytr, xte, yte = _digits()
     view = pair_flip(ytr, 10, CIFAR10_ASYM_MAP, 0.4, seed=0)
-    cfg = replace(_short_cfg(guard_floor=True), val_fraction=0.1,
+    cfg = replace(_short_cfg(guard_floor=True, guard_sampler="live"), val_fraction=0.1,
                   optim=OptimConfig(epochs=6, pretrain_epochs=1, batch_size=32, lr=0.05))
     trainer = LocalTrainer(cfg, TensorData(xtr, view), TensorData(xte, clean_view(yte)))
     rows = trainer.fit()
+    assert trainer.method.sampler_model is None  # "live": Eq. 7 reads the trained network
+    assert trainer.method.state_dict()["guard_sampler"] is None
     at = floor_epoch(rows[:-1], first_epoch=1)
     assert at is not None, [(r["observed_loss"], r["noise_floor"]) for r in rows]
     assert rows[at]["observed_loss"] < rows[at]["noise_floor"]
@@ -749,3 +751,68 @@ def test_the_floor_guard_switches_once_the_classifier_fits_below_the_noise_floor
     assert trainer.method.guarded_at == at and trainer.method.labeler.cfg.targets == "sample"
     assert f"fell below the noise floor {rows[1]['noise_floor']:.3f} (epoch {at})" in \
         capsys.readouterr().out
+
+
+def test_after_the_floor_guard_eq7_reads_a_frozen_copy_of_the_classifier(monkeypatch):
+    """LCCNConfig.guard_sampler "frozen" (default): once the floor guard fires, z is drawn
+    from the classifier's weights at the switch (its probabilities on every later batch
+    are the frozen copy's, in eval mode), while the trained network moves on ("live", the
+    trained network throughout: the floor guard test above). The copy is checkpointed, and
+    a resumed run that fires the guard again from its epoch rows gets the saved copy back,
+    not the weights it resumed with."""
+    from pipeline.train.engine import Engine
+    from pipeline.train.labeler import GibbsLabeler
+    from pipeline.train.loop import predict
+
+    at_switch: list[dict[str, torch.Tensor]] = []
+    copy_of = Engine.frozen_copy
+
+    def recording_copy(self, member, state=None):
+        at_switch.append({k: v.clone() for k, v in member.model.state_dict().items()})
+        return copy_of(self, member, state)
+
+    monkeypatch.setattr(Engine, "frozen_copy", recording_copy)
+    seen: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
+    sample = GibbsLabeler.sample
+    holder: dict = {}
+
+    def recording_sample(self, probs, observed, idx):
+        m = holder.get("method")
+        seen.append((idx.clone(), probs.clone(), m is not None and m.guarded_at is not None))
+        return sample(self, probs, observed, idx)
+
+    monkeypatch.setattr(GibbsLabeler, "sample", recording_sample)
+    xtr, ytr, xte, yte = _digits()
+    view = pair_flip(ytr, 10, CIFAR10_ASYM_MAP, 0.4, seed=0)
+    cfg = replace(_short_cfg(guard_floor=True), val_fraction=0.1,
+                  optim=OptimConfig(epochs=6, pretrain_epochs=1, batch_size=32, lr=0.05))
+    trainer = LocalTrainer(cfg, TensorData(xtr, view), TensorData(xte, clean_view(yte)))
+    holder["method"] = method = trainer.method
+    trainer.fit()
+    assert method.guarded_at is not None and method.guarded_at < 5
+    after = [(i, p) for i, p, g in seen if g]
+    assert after, "no batch was sampled after the switch"
+    idx = torch.cat([i for i, _ in after])
+    probs = torch.cat([p for _, p in after])
+    live = method.members[0].model.state_dict()
+    assert len(at_switch) == 1
+    frozen = method.sampler_bare.state_dict()
+    for k, v in at_switch[0].items():  # the copy is the weights at the switch ...
+        torch.testing.assert_close(frozen[k], v)
+    assert any(not torch.equal(frozen[k], live[k]) for k in frozen)  # ... not the trained
+    assert not any(p.requires_grad for p in method.sampler_bare.parameters())
+    # every draw after the switch read the frozen copy's eval-mode probabilities
+    ref, ref_idx, _ = predict(method.sampler_model, trainer.engine.data.train_eval_batches())
+    by_idx = torch.full((int(ref_idx.max()) + 1, ref.shape[1]), float("nan"))
+    by_idx[ref_idx] = ref
+    torch.testing.assert_close(probs, by_idx[idx], atol=1e-5, rtol=1e-4)
+    # the checkpoint keeps the copy; resumed, the guard fires again and restores it
+    state = method.state_dict()
+    torch.testing.assert_close(state["guard_sampler"], at_switch[0], check_dtype=True)
+    method.guarded_at, method.sampler_bare, method.sampler_model = None, None, None
+    method.cfg = cfg.lccn
+    method.load_state_dict(state)
+    method._guard(6)
+    restored = method.sampler_bare.state_dict()
+    for k, v in at_switch[0].items():
+        torch.testing.assert_close(restored[k], v)

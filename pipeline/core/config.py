@@ -13,6 +13,7 @@ WARMUPS = ("eq8", "identity", "anchor")
 INITS = ("argmax", "observed")
 WARMUP_PRIORS = ("model", "deconvolved")
 TARGETS = ("sample", "posterior", "map")
+GUARD_SAMPLERS = ("frozen", "live")
 TRANSITIONS = ("anchor", "eq8", "file")
 
 
@@ -155,6 +156,16 @@ class LCCNConfig:
         the recorded CE runs this crossing comes at the peak test epoch where CE memorises
         and never where it does not (benchmarks/results/cifar.md). Off by default; either
         signal switches when both are on.
+    guard_sampler: where Eq. 7's class probabilities come from once the guard has switched.
+        ``"frozen"`` (default): a copy of the classifier as it was when the guard fired (its
+        weight average when it has one), which no later step trains; ``"live"``: the
+        classifier being trained, as before the switch. With the live network the
+        classifier fits its own draws: a sample it has begun to memorise gets z = its
+        observed label from Eq. 7, trains on it, and memorises it further, whatever φ is
+        (with the true transition held fixed the stress protocol still drops 13.8 points
+        from its peak). The frozen copy is taken at the measured onset of memorisation,
+        so the draws stay those of a network that had not yet fitted the noise while the
+        trained one learns from them.
     report_epochs: the label-issue report (:mod:`pipeline.track.label_issues`) averages each
         training sample's Eq. 7 posterior over the run's last this many LCCN epochs
         (0: off; memory N x K_latent floats per worker).
@@ -188,6 +199,7 @@ class LCCNConfig:
     guard_targets: str = field(default="sample", metadata={"choices": TARGETS})
     guard_prior_strength: float = 1.0
     guard_floor: bool = False
+    guard_sampler: str = field(default="frozen", metadata={"choices": GUARD_SAMPLERS})
 
     def __post_init__(self) -> None:
         alphas = self.alpha if isinstance(self.alpha, (tuple, list)) else (self.alpha,)
@@ -214,6 +226,9 @@ class LCCNConfig:
         if self.guard_targets not in TARGETS:
             raise ValueError(f"guard_targets must be one of {TARGETS}, got "
                              f"{self.guard_targets!r}")
+        if self.guard_sampler not in GUARD_SAMPLERS:
+            raise ValueError(f"guard_sampler must be one of {GUARD_SAMPLERS}, got "
+                             f"{self.guard_sampler!r}")
         if not (0 <= self.guard_prior_strength < float("inf")):
             raise ValueError(f"guard_prior_strength must be a finite number >= 0, got "
                              f"{self.guard_prior_strength}")

@@ -273,6 +273,21 @@ class Engine:
         without one)."""
         return self.val_scores()["top1"]
 
+    def frozen_copy(self, member: Member, state: dict[str, Tensor] | None = None
+                    ) -> tuple[nn.Module, nn.Module]:
+        """A copy of ``member``'s scored weights (its weight average when it has one) that no
+        step trains: ``(bare, wrapped)``, the module (its ``state_dict`` is what a checkpoint
+        keeps) and the module wrapped as evaluation wraps it (no collectives, not compiled),
+        in eval mode, without gradients. ``state``: such a saved ``state_dict`` (a resumed
+        run) instead of the current weights."""
+        bare = copy.deepcopy(member.ema if member.ema is not None else member.model)
+        if state is not None:
+            bare.load_state_dict(state)
+        bare.eval().requires_grad_(False)
+        wrapped = wrap_model(bare, replace(self.run.perf, compile="off"), self.device,
+                             normalize=self.options.normalize)
+        return bare, wrapped.eval()
+
     # -- the loop ------------------------------------------------------------------------------
 
     def prepare(self) -> dict:

@@ -201,6 +201,8 @@ class LabelTask(Task):
     -> optimiser step -> commit z (async; the store's reply is awaited by the next sample);
     ``observe(idx (B,), posterior (B, K_latent), valid (B,) bool)`` sees the Eq. 7
     conditional of every batch (LCCN*'s p(outlier) average, the label-issue report).
+    ``sampler_model``: the network whose class probabilities Eq. 7 reads instead of the
+    trained one's (an eval-mode network no step trains; :attr:`LCCNConfig.guard_sampler`).
 
     On an accelerator z goes to the host through a pinned buffer whose copy is enqueued
     right after sampling and awaited only after backward and the optimiser step are
@@ -212,8 +214,10 @@ class LabelTask(Task):
                  xi: float = 1e-20, known_below: int | None = None,
                  loss_fn: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
                  before_step: Callable[[], None] | None = None,
-                 observe: Callable[[Tensor, Tensor, Tensor], None] | None = None) -> None:
+                 observe: Callable[[Tensor, Tensor, Tensor], None] | None = None,
+                 sampler_model: nn.Module | None = None) -> None:
         self.model, self.optimizers = model, (optimizer,)
+        self.sampler_model = sampler_model
         self.labeler, self.trusted, self.xi = labeler, trusted, xi
         self.known_below = known_below
         self.loss_fn, self._before_step, self.observe = loss_fn, before_step, observe
@@ -251,7 +255,11 @@ class LabelTask(Task):
                 return self.loss_fn(logits, labels_d, w), labels_d
             return clipped_cross_entropy(logits, labels_d, xi=self.xi, weight=w), labels_d
         t0 = time.perf_counter()
-        probs = torch.softmax(logits.detach().float(), dim=1)
+        if self.sampler_model is None:
+            probs = torch.softmax(logits.detach().float(), dim=1)
+        else:
+            with torch.no_grad():
+                probs = torch.softmax(self.sampler_model(step.images).float(), dim=1)
         z, stats = lab.sample(probs, b.observed, b.idx)
         self.sampler += time.perf_counter() - t0 - stats.wait
         self.sync += stats.wait

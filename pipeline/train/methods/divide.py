@@ -392,7 +392,8 @@ class DivideLCCN(DivideMix):
     # it trains on DivideMix's co-refined targets (with the chain's conditional), so
     # neither LCCN's target nor its ramp reaches it (annealing does: it tempers the draws)
     ignores = ("lccn.targets", "lccn.ramp_epochs", "lccn.guard_drop", "lccn.guard_patience",
-               "lccn.guard_targets", "lccn.guard_prior_strength", "lccn.guard_floor")
+               "lccn.guard_targets", "lccn.guard_prior_strength", "lccn.guard_floor",
+               "lccn.guard_sampler")
 
     def __init__(self, run, engine) -> None:
         super().__init__(run, engine)

@@ -77,6 +77,12 @@ class LCCN(Method):
         # the memorisation guard (LCCNConfig.guard_drop): the epoch whose end showed the
         # classifier memorising, after which self.cfg holds the switched targets and prior
         self.guarded_at: int | None = None
+        # LCCNConfig.guard_sampler "frozen": the network Eq. 7 reads once the guard fired
+        # (bare: what a checkpoint keeps; wrapped: what the step calls) and, in a resumed
+        # run, the saved copy's weights until the guard fires again from the epoch rows
+        self.sampler_bare: torch.nn.Module | None = None
+        self.sampler_model: torch.nn.Module | None = None
+        self._saved_sampler: dict[str, Tensor] | None = None
         self.phi_init: Tensor | None = None
         # H(observed | clean) that phi_init implies (every rank's rows: the guard reads it)
         self.noise_floor: float | None = None
@@ -154,6 +160,11 @@ class LCCN(Method):
         self.guarded_at = at
         self.cfg = replace(lc, targets=lc.guard_targets,
                            prior_strength=max(lc.prior_strength, lc.guard_prior_strength))
+        if lc.guard_sampler == "frozen":
+            # the classifier as it stands at the switch (or, resumed, as it stood then)
+            self.sampler_bare, self.sampler_model = self.engine.frozen_copy(
+                self.members[0], self._saved_sampler)
+            self._saved_sampler = None
         if self.labeler is not None:
             self.labeler.flush()
             self.lccn_step = self.labeler.step_count
@@ -161,7 +172,9 @@ class LCCN(Method):
         if self.engine.session.rank == 0:
             print(f"[lccn] memorisation guard: {why}; from epoch {epoch} on LCCN trains on "
                   f"{self.cfg.targets} targets with prior_strength "
-                  f"{self.cfg.prior_strength:g}", flush=True)
+                  f"{self.cfg.prior_strength:g}"
+                  + ("; Eq. 7 reads a frozen copy of the classifier from here on"
+                     if self.sampler_model is not None else ""), flush=True)
 
     def begin_epoch(self, epoch: int, steps_per_epoch: int) -> None:
         if not self.in_noise_phase(epoch):
@@ -200,7 +213,8 @@ class LCCN(Method):
 
         return LabelTask(m.train_model, m.optimizer, labeler=active, trusted=self.trusted,
                          xi=self.cfg.xi, known_below=self.num_classes + 1,
-                         observe=observe if observers else None)
+                         observe=observe if observers else None,
+                         sampler_model=self.sampler_model if active is not None else None)
 
     def end_pass(self, epoch: int) -> None:
         if self.labeler is not None:
@@ -277,8 +291,12 @@ class LCCN(Method):
             threshold=self.cfg.outlier_threshold, keys=opts.sample_keys)}
 
     def state_dict(self) -> dict[str, Any]:
+        sampler = (self.sampler_bare.state_dict() if self.sampler_bare is not None
+                   else self._saved_sampler)
         return {"lccn_step": self.lccn_step, "phi_init": self.phi_init,
                 "noise_floor": self.noise_floor,
+                "guard_sampler": None if sampler is None else {
+                    k: v.detach().cpu().clone() for k, v in sampler.items()},
                 **self.monitor.state_dict(),
                 "outlier_mean": (None if self.outlier_mean is None
                                  else self.outlier_mean.state_dict()),
@@ -288,6 +306,8 @@ class LCCN(Method):
         self.lccn_step = int(state.get("lccn_step", 0))
         self.phi_init = state.get("phi_init")
         self.noise_floor = state.get("noise_floor")
+        # the frozen sampler comes back when the guard fires again from the epoch rows
+        self._saved_sampler = state.get("guard_sampler")
         self.monitor.load_state_dict(state)
         saved = state.get("outlier_mean")
         if saved is not None and self.outlier_mean is not None:
