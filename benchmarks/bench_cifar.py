@@ -474,6 +474,20 @@ def regime(entry: dict, floor: float, start: int = 0) -> dict:
             "memorises": bool(drop >= 0.05 and hist[-1]["loss"] < floor)}
 
 
+def recorded_argv(argv: list[str]) -> list[str]:
+    """The command line as a result records it: ``--data``'s folder written ``DATA`` (it is
+    the folder of the machine that ran it, not part of the protocol)."""
+    out: list[str] = []
+    for i, a in enumerate(argv):
+        if i and argv[i - 1] == "--data":
+            out.append("DATA")
+        elif a.startswith("--data="):
+            out.append("--data=DATA")
+        else:
+            out.append(a)
+    return out
+
+
 def summarise(entry: dict, start: int = 0) -> dict:
     """Final and noisy-validation-selected test accuracy; ``start``: the selection looks
     only at epochs from there on (a restarted run chooses among its own epochs)."""
@@ -497,7 +511,7 @@ def run_one(args: argparse.Namespace, name: str, seed: int, data: Cifar) -> dict
           f"{args.epochs} epochs ({args.pretrain_epochs} CE pre-training), milestones "
           f"{args.milestones}, LCCN {asdict(cfg_lccn.lccn)}, {torch.get_num_threads()} "
           f"threads, load average {os.getloadavg()}", flush=True)
-    result = {"setting": name, "seed": seed, "argv": sys.argv[1:],
+    result = {"setting": name, "seed": seed, "argv": getattr(args, "argv", None),
               "realised_noise_rate": view.noise_rate(), "true_transition": view.transition.tolist(),
               "load_avg_start": os.getloadavg(), "threads": torch.get_num_threads()}
     t0 = time.perf_counter()
@@ -664,6 +678,7 @@ def draw_plots(results: list[dict], folder: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = get_args_parser().parse_args(argv)
+    args.argv = recorded_argv(sys.argv[1:] if argv is None else list(argv))
     if args.report or args.plots:
         results = load_results(args.out, args.tag)
         for r in results:

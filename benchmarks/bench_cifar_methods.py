@@ -158,7 +158,7 @@ def run_one(args: argparse.Namespace, name: str, seed: int, method: str) -> dict
     entry = {"history": hist, "wall_s": time.perf_counter() - t0, "config": asdict(cfg)}
     entry["summary"] = bench_cifar.summarise(entry)
     entry["summary"].update(bench_cifar.regime(entry, bench_cifar.noise_floor(view)))
-    result = {"setting": name, "seed": seed, "method": method, "argv": sys.argv[1:],
+    result = {"setting": name, "seed": seed, "method": method, "argv": getattr(args, "argv", None),
               "device": args.device, "realised_noise_rate": view.noise_rate(),
               "load_avg_end": os.getloadavg(), **entry}
     args.out.mkdir(parents=True, exist_ok=True)
@@ -237,6 +237,7 @@ def report(out: Path) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = get_args_parser()
     args = parser.parse_args(argv)
+    args.argv = bench_cifar.recorded_argv(sys.argv[1:] if argv is None else list(argv))
     if args.normalise != "channel":
         parser.error("--normalise image is bench_cifar.py's (CE and LCCN); this bench "
                      "normalises per channel")

@@ -15,15 +15,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_cifar import regime  # noqa: E402
 
 
 def replay(history: list[dict], floor: float) -> dict:
-    """First epoch (1-based) with loss below ``floor`` (None: never), the peak test epoch,
-    the final loss."""
+    """First epoch (1-based) with loss below ``floor`` (None: never), the peak test epoch
+    (:func:`bench_cifar.regime`'s), the final loss."""
     below = next((e + 1 for e, r in enumerate(history) if r["loss"] < floor), None)
-    peak = max(range(len(history)), key=lambda e: history[e]["test_top1"]) + 1
-    return {"below_floor": below, "peak_epoch": peak, "final_loss": history[-1]["loss"],
+    g = regime({"history": history}, floor)
+    return {"below_floor": below, "peak_epoch": g["peak_epoch"], "final_loss": g["final_loss"],
             "floor": floor}
 
 
