@@ -755,23 +755,15 @@ def test_the_floor_guard_switches_once_the_classifier_fits_below_the_noise_floor
 
 def test_after_the_floor_guard_eq7_reads_a_frozen_copy_of_the_classifier(monkeypatch):
     """LCCNConfig.guard_sampler "frozen" (default): once the floor guard fires, z is drawn
-    from the classifier's weights at the switch (its probabilities on every later batch
-    are the frozen copy's, in eval mode), while the trained network moves on ("live", the
-    trained network throughout: the floor guard test above). The copy is checkpointed, and
-    a resumed run that fires the guard again from its epoch rows gets the saved copy back,
-    not the weights it resumed with."""
-    from pipeline.train.engine import Engine
+    from a frozen copy of the classifier as it was after the noise phase's epoch with the
+    best noisy validation accuracy up to the switch (its eval-mode probabilities on every
+    later batch), while the trained network moves on ("live", the trained network
+    throughout: the floor guard test above). The copy is checkpointed, and a resumed run
+    that fires the guard again from its epoch rows gets the saved copy back, not the
+    weights it resumed with."""
     from pipeline.train.labeler import GibbsLabeler
     from pipeline.train.loop import predict
 
-    at_switch: list[dict[str, torch.Tensor]] = []
-    copy_of = Engine.frozen_copy
-
-    def recording_copy(self, member, state=None):
-        at_switch.append({k: v.clone() for k, v in member.model.state_dict().items()})
-        return copy_of(self, member, state)
-
-    monkeypatch.setattr(Engine, "frozen_copy", recording_copy)
     seen: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
     sample = GibbsLabeler.sample
     holder: dict = {}
@@ -788,31 +780,33 @@ def test_after_the_floor_guard_eq7_reads_a_frozen_copy_of_the_classifier(monkeyp
                   optim=OptimConfig(epochs=6, pretrain_epochs=1, batch_size=32, lr=0.05))
     trainer = LocalTrainer(cfg, TensorData(xtr, view), TensorData(xte, clean_view(yte)))
     holder["method"] = method = trainer.method
-    trainer.fit()
-    assert method.guarded_at is not None and method.guarded_at < 5
-    after = [(i, p) for i, p, g in seen if g]
-    assert after, "no batch was sampled after the switch"
-    idx = torch.cat([i for i, _ in after])
-    probs = torch.cat([p for _, p in after])
-    live = method.members[0].model.state_dict()
-    assert len(at_switch) == 1
-    frozen = method.sampler_bare.state_dict()
-    for k, v in at_switch[0].items():  # the copy is the weights at the switch ...
+    after_epoch: dict[int, tuple[float, dict]] = {}  # epoch -> (noisy val, weights after it)
+    trainer.fit(on_epoch=lambda e, row: after_epoch.__setitem__(e, (row["val_top1"], {
+        k: v.clone() for k, v in method.members[0].model.state_dict().items()})))
+    at = method.guarded_at
+    assert at is not None and at < 5
+    best = max(range(0, at + 1), key=lambda e: after_epoch[e][0])  # the CE epoch 0 included
+    expected = after_epoch[best][1]
+    frozen, live = method.sampler_bare.state_dict(), method.members[0].model.state_dict()
+    for k, v in expected.items():  # the copy is the best epoch's weights ...
         torch.testing.assert_close(frozen[k], v)
     assert any(not torch.equal(frozen[k], live[k]) for k in frozen)  # ... not the trained
     assert not any(p.requires_grad for p in method.sampler_bare.parameters())
     # every draw after the switch read the frozen copy's eval-mode probabilities
+    after = [(i, p) for i, p, g in seen if g]
+    assert after, "no batch was sampled after the switch"
+    idx, probs = torch.cat([i for i, _ in after]), torch.cat([p for _, p in after])
     ref, ref_idx, _ = predict(method.sampler_model, trainer.engine.data.train_eval_batches())
     by_idx = torch.full((int(ref_idx.max()) + 1, ref.shape[1]), float("nan"))
     by_idx[ref_idx] = ref
     torch.testing.assert_close(probs, by_idx[idx], atol=1e-5, rtol=1e-4)
     # the checkpoint keeps the copy; resumed, the guard fires again and restores it
     state = method.state_dict()
-    torch.testing.assert_close(state["guard_sampler"], at_switch[0], check_dtype=True)
+    torch.testing.assert_close(state["guard_sampler"], expected)
     method.guarded_at, method.sampler_bare, method.sampler_model = None, None, None
     method.cfg = cfg.lccn
     method.load_state_dict(state)
     method._guard(6)
     restored = method.sampler_bare.state_dict()
-    for k, v in at_switch[0].items():
+    for k, v in expected.items():
         torch.testing.assert_close(restored[k], v)

@@ -83,6 +83,11 @@ class LCCN(Method):
         self.sampler_bare: torch.nn.Module | None = None
         self.sampler_model: torch.nn.Module | None = None
         self._saved_sampler: dict[str, Tensor] | None = None
+        # until it fires: the weights after the noise phase's epoch with the best noisy
+        # validation accuracy so far (the copy it freezes), that accuracy, and the last
+        # epoch row looked at (a run resumed within an epoch does not look at it again)
+        self._best: dict[str, Any] = {"val": float("-inf"), "seen": -1, "epoch": None,
+                                      "weights": None}
         self.phi_init: Tensor | None = None
         # H(observed | clean) that phi_init implies (every rank's rows: the guard reads it)
         self.noise_floor: float | None = None
@@ -157,14 +162,22 @@ class LCCN(Method):
         if not fired:
             return
         at, why = fired[0]
+        frozen_at = ""
         self.guarded_at = at
         self.cfg = replace(lc, targets=lc.guard_targets,
                            prior_strength=max(lc.prior_strength, lc.guard_prior_strength))
         if lc.guard_sampler == "frozen":
-            # the classifier as it stands at the switch (or, resumed, as it stood then)
+            # the classifier of the best noisy-validation epoch so far (without a
+            # validation split: as it stands at the switch); resumed: the saved copy
+            saved = self._saved_sampler if self._saved_sampler is not None \
+                else self._best["weights"]
+            frozen_at = ("the run's resumed copy" if self._saved_sampler is not None
+                         else f"epoch {self._best['epoch']} (the best noisy validation "
+                              f"accuracy so far)" if saved is not None else "this epoch's start")
             self.sampler_bare, self.sampler_model = self.engine.frozen_copy(
-                self.members[0], self._saved_sampler)
+                self.members[0], saved)
             self._saved_sampler = None
+            self._best["weights"] = None
         if self.labeler is not None:
             self.labeler.flush()
             self.lccn_step = self.labeler.step_count
@@ -173,12 +186,34 @@ class LCCN(Method):
             print(f"[lccn] memorisation guard: {why}; from epoch {epoch} on LCCN trains on "
                   f"{self.cfg.targets} targets with prior_strength "
                   f"{self.cfg.prior_strength:g}"
-                  + ("; Eq. 7 reads a frozen copy of the classifier from here on"
+                  + (f"; Eq. 7 reads the classifier frozen as at {frozen_at}"
                      if self.sampler_model is not None else ""), flush=True)
+
+    def _remember_best(self) -> None:
+        """``guard_sampler="frozen"``: before the guard fires, keep a copy of the weights
+        (the weight average's when there is one) after each epoch from the noise phase's
+        start whose noisy validation accuracy beats every earlier one's: the network
+        Eq. 7 is frozen at. The last row is the epoch just ended, whose weights these are."""
+        lc, hist = self.cfg, self.engine.history
+        if ((lc.guard_drop <= 0 and not lc.guard_floor) or lc.guard_sampler != "frozen"
+                or self.guarded_at is not None or not hist):
+            return
+        row = hist[-1]
+        epoch = int(row.get("epoch", -1))
+        if epoch <= self._best["seen"] or epoch < self.run.optim.pretrain_epochs - 1:
+            return
+        self._best["seen"] = epoch
+        val = float(row.get("val_top1", float("nan")))
+        if val > self._best["val"]:  # False for NaN: no validation split, no copy
+            m = self.members[0]
+            src = m.ema if m.ema is not None else m.model
+            self._best.update(val=val, epoch=epoch, weights={k: v.detach().clone()
+                                                for k, v in src.state_dict().items()})
 
     def begin_epoch(self, epoch: int, steps_per_epoch: int) -> None:
         if not self.in_noise_phase(epoch):
             return
+        self._remember_best()
         self._guard(epoch)
         if self.labeler is None:
             o = self.run.optim
@@ -297,6 +332,8 @@ class LCCN(Method):
                 "noise_floor": self.noise_floor,
                 "guard_sampler": None if sampler is None else {
                     k: v.detach().cpu().clone() for k, v in sampler.items()},
+                "guard_best": {**self._best, "weights": None if self._best["weights"] is None
+                               else {k: v.cpu() for k, v in self._best["weights"].items()}},
                 **self.monitor.state_dict(),
                 "outlier_mean": (None if self.outlier_mean is None
                                  else self.outlier_mean.state_dict()),
@@ -308,6 +345,9 @@ class LCCN(Method):
         self.noise_floor = state.get("noise_floor")
         # the frozen sampler comes back when the guard fires again from the epoch rows
         self._saved_sampler = state.get("guard_sampler")
+        best = state.get("guard_best")
+        if best is not None:
+            self._best = dict(best)
         self.monitor.load_state_dict(state)
         saved = state.get("outlier_mean")
         if saved is not None and self.outlier_mean is not None:
