@@ -58,7 +58,7 @@ def test_epoch_metrics_and_chain_invariants_after_training():
     of the final C, gamma follows the annealing schedule, and the model learned."""
     xtr, ytr, xte, yte = _digits()
     view = pair_flip(ytr, 10, CIFAR10_ASYM_MAP, 0.4, seed=0)
-    trainer = LocalTrainer(_short_cfg(warmup_steps=5, anneal=True),
+    trainer = LocalTrainer(_short_cfg(warmup_steps=5, anneal=True, guard_floor=False),
                            TensorData(xtr, view), TensorData(xte, clean_view(yte)))
     hist = trainer.fit()
     store = trainer.store
@@ -708,7 +708,8 @@ def test_the_memorisation_guard_switches_to_hard_targets_and_the_anchored_prior(
         "top1": script[min(len(self.history), len(script) - 1)], "nll": 1.0})
     xtr, ytr, xte, yte = _digits()
     view = pair_flip(ytr, 10, CIFAR10_ASYM_MAP, 0.4, seed=0)
-    cfg = replace(_short_cfg(guard_drop=0.05, guard_patience=1), val_fraction=0.1,
+    cfg = replace(_short_cfg(guard_drop=0.05, guard_patience=1, guard_floor=False),
+                  val_fraction=0.1,
                   optim=OptimConfig(epochs=5, pretrain_epochs=1, batch_size=64, lr=0.05,
                                     milestones=(2,)))
     trainer = LocalTrainer(cfg, TensorData(xtr, view), TensorData(xte, clean_view(yte)))

@@ -204,7 +204,7 @@ class LCCNConfig:
     guard_patience: int = 2
     guard_targets: str = field(default="sample", metadata={"choices": TARGETS})
     guard_prior_strength: float = 1.0
-    guard_floor: bool = False
+    guard_floor: bool = True
     guard_sampler: str = field(default="frozen", metadata={"choices": GUARD_SAMPLERS})
 
     def __post_init__(self) -> None:
