@@ -474,15 +474,21 @@ def regime(entry: dict, floor: float, start: int = 0) -> dict:
             "memorises": bool(drop >= 0.05 and hist[-1]["loss"] < floor)}
 
 
+# the folders a result's command line names by role, not by the machine's path
+_FOLDERS = {"--data": "DATA", "--out": "OUT", "--cache": "CACHE"}
+
+
 def recorded_argv(argv: list[str]) -> list[str]:
-    """The command line as a result records it: ``--data``'s folder written ``DATA`` (it is
-    the folder of the machine that ran it, not part of the protocol)."""
+    """The command line as a result records it: the folders of ``--data``, ``--out`` and
+    ``--cache`` written ``DATA``, ``OUT``, ``CACHE`` (they are the machine's, not part of
+    the protocol)."""
     out: list[str] = []
     for i, a in enumerate(argv):
-        if i and argv[i - 1] == "--data":
-            out.append("DATA")
-        elif a.startswith("--data="):
-            out.append("--data=DATA")
+        flag, eq, _ = a.partition("=")
+        if i and argv[i - 1] in _FOLDERS:
+            out.append(_FOLDERS[argv[i - 1]])
+        elif eq and flag in _FOLDERS:
+            out.append(f"{flag}={_FOLDERS[flag]}")
         else:
             out.append(a)
     return out

@@ -265,10 +265,10 @@ def test_memorisation_flags_reach_the_trainer_and_the_regime_is_reported(bench, 
         assert s["final_loss"] == entry["history"][-1]["loss"]
         assert s["memorises"] == (s["drop"] >= 0.05 and s["final_loss"] < r["noise_floor"])
     assert "Regime per run and method" in bench["markdown_report"]([r])
-    # the recorded command line is the one given, its data folder written DATA
-    assert r["argv"][:2] == ["--data", "DATA"] and str(shared_data) not in r["argv"]
-    assert bench["recorded_argv"](["--data=/x/y", "--seeds", "0"]) == [
-        "--data=DATA", "--seeds", "0"]
+    # the recorded command line is the one given, its folders written by their role
+    assert r["argv"][:6] == ["--data", "DATA", "--cache", "CACHE", "--out", "OUT"]
+    assert bench["recorded_argv"](["--data=/x/y", "--seeds", "0", "--out=/o"]) == [
+        "--data=DATA", "--seeds", "0", "--out=OUT"]
 
 
 def test_regime_flags_a_run_that_memorises(bench):
