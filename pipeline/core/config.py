@@ -154,8 +154,13 @@ class LCCNConfig:
         whose ``observed_loss`` (the classifier's loss on the observed labels) falls below
         its ``noise_floor`` (the label noise's entropy that the warm-up's φ implies). In
         the recorded CE runs this crossing comes at the peak test epoch where CE memorises
-        and never where it does not (benchmarks/results/cifar.md). Off by default; either
-        signal switches when both are on.
+        and never where it does not (benchmarks/results/cifar.md). On by default (either
+        signal switches when both are on): with ``guard_sampler="frozen"`` it never fired
+        on the CPU protocol where CE does not memorise (symmetric 0.5, asymmetric 0.5,
+        instance-dependent 0.4; those runs are the defaults' of before), and where CE
+        memorises it turns the defaults' losses into gains over CE (stress protocol, three
+        seeds: benchmarks/results/cifar.md, "The frozen sampler"). Switch it off for
+        LCCN exactly as the paper runs it.
     guard_sampler: where Eq. 7's class probabilities come from once the guard has switched.
         ``"frozen"`` (default): a copy of the classifier (its weight average when it has
         one) as it was after the epoch with the best noisy validation accuracy from the

@@ -135,6 +135,9 @@ class SharedChain:
         self.client, self.session, self.seed = client, session, seed
         self.held_out = held_out if held_out is not None and held_out.any() else None
         self.fence = ""
+        # the labeler made last: a method that makes another within the same attempt (the
+        # memorisation guard's switch) continues its commit sequence
+        self._made: GibbsLabeler | None = None
 
     def open(self, state: dict | None, session: Session) -> None:
         if session.rank == 0:
@@ -169,11 +172,19 @@ class SharedChain:
         cfg = replace(cfg, commit_every=min(cfg.commit_every, max(1, steps_per_epoch // 4)))
         counts, version = self.client.snapshot()
         rank = self.session.rank
-        return DistLabeler(cfg, self.client, counts, version, phi_init=phi_init,
-                           max_steps=max_steps, generator=torch.Generator(), trusted=trusted,
-                           clean=clean, worker=f"rank{rank}.{self.fence[:8]}", seed=self.seed,
-                           rank=rank, device=self.device, compile_mode=self.compile_mode,
-                           steps_per_epoch=steps_per_epoch)
+        labeler = DistLabeler(cfg, self.client, counts, version, phi_init=phi_init,
+                              max_steps=max_steps, generator=torch.Generator(), trusted=trusted,
+                              clean=clean, worker=f"rank{rank}.{self.fence[:8]}", seed=self.seed,
+                              rank=rank, device=self.device, compile_mode=self.compile_mode,
+                              steps_per_epoch=steps_per_epoch)
+        prev = self._made
+        if prev is not None and prev.worker == labeler.worker:
+            # the store has seen the earlier labeler's commits under this worker name: a
+            # sequence restarted at 0 would be refused as duplicates (the guard's switch
+            # lost every commit until the new sequence passed the old one)
+            labeler.seq = prev.seq
+        self._made = labeler
+        return labeler
 
     def read(self) -> dict | None:
         """The chain state (rank 0; the store checks its invariants), with no held-out
