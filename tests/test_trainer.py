@@ -718,7 +718,7 @@ def test_the_memorisation_guard_switches_to_hard_targets_and_the_anchored_prior(
     assert [r["guarded"] for r in rows[1:]] == [0.0, 0.0, 0.0, 1.0]
     out = capsys.readouterr().out
     assert ("memorisation guard: the noisy validation accuracy has been more than 0.05 "
-            "below its best for 1 epochs (to epoch 3); from epoch 4 on LCCN trains on "
+            "below its best for 1 epochs (to epoch 4); from epoch 5 on LCCN trains on "
             "sample targets with prior_strength 1") in out
     method = trainer.method
     lab = method.labeler
@@ -750,8 +750,9 @@ def test_the_floor_guard_switches_once_the_classifier_fits_below_the_noise_floor
     assert all(r["observed_loss"] >= r["noise_floor"] for r in rows[1:at])
     assert [r["guarded"] for r in rows[1:]] == [float(e > at) for e in range(1, 6)]
     assert trainer.method.guarded_at == at and trainer.method.labeler.cfg.targets == "sample"
-    assert f"fell below the noise floor {rows[1]['noise_floor']:.3f} (epoch {at})" in \
-        capsys.readouterr().out
+    # messages count epochs from 1, as the epoch lines do
+    assert (f"fell below the noise floor {rows[1]['noise_floor']:.3f} (epoch {at + 1}); "
+            f"from epoch {at + 2} on") in capsys.readouterr().out
 
 
 def test_after_the_floor_guard_eq7_reads_a_frozen_copy_of_the_classifier(monkeypatch):

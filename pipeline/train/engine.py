@@ -280,7 +280,7 @@ class Engine:
         keeps) and the module wrapped as evaluation wraps it (no collectives, not compiled),
         in eval mode, without gradients. ``state``: such a saved ``state_dict`` (a resumed
         run) instead of the current weights."""
-        bare = copy.deepcopy(member.ema if member.ema is not None else member.model)
+        bare = copy.deepcopy(member.averaged)
         if state is not None:
             bare.load_state_dict(state)
         bare.eval().requires_grad_(False)
@@ -654,7 +654,7 @@ class Engine:
         """The trained classifier as one module (:class:`~pipeline.train.export.Predictor`):
         every network's weights (their averages, when kept), images in, the K classes'
         probabilities out."""
-        nets = [m.ema if m.ema is not None else m.model for m in self.members]
+        nets = [m.averaged for m in self.members]
         t = self.options.tracking
         names = t.class_names if t is not None and len(t.class_names) == self.num_classes else ()
         return Predictor(nets, self.num_classes, normalize=self.options.normalize,

@@ -47,6 +47,13 @@ class Member:
     _average_lists: tuple | None = field(default=None, repr=False, compare=False)
 
     @property
+    def averaged(self) -> nn.Module:
+        """The bare module whose weights score this network: the weight average when
+        there is one, else the model (what :attr:`scorer` wraps, and what a frozen copy or
+        an exported predictor takes)."""
+        return self.ema if self.ema is not None else self.model
+
+    @property
     def scorer(self) -> nn.Module | None:
         """The module that scores this network (validation, test, the predictions that
         start a noise model): the weight average when there is one."""

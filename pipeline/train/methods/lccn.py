@@ -154,10 +154,10 @@ class LCCN(Method):
         floor = floor_epoch(hist, first_epoch=first) if lc.guard_floor else None
         fired = sorted(
             ([(val, f"the noisy validation accuracy has been more than {lc.guard_drop:g} "
-                    f"below its best for {lc.guard_patience} epochs (to epoch {val})")]
+                    f"below its best for {lc.guard_patience} epochs (to epoch {val + 1})")]
              if val is not None else [])
             + ([(floor, f"the classifier's loss on the observed labels fell below the noise "
-                        f"floor {self.noise_floor:.3f} (epoch {floor})")]
+                        f"floor {self.noise_floor:.3f} (epoch {floor + 1})")]
                if floor is not None else []))
         if not fired:
             return
@@ -172,7 +172,7 @@ class LCCN(Method):
             saved = self._saved_sampler if self._saved_sampler is not None \
                 else self._best["weights"]
             frozen_at = ("the run's resumed copy" if self._saved_sampler is not None
-                         else f"epoch {self._best['epoch']} (the best noisy validation "
+                         else f"epoch {self._best['epoch'] + 1} (the best noisy validation "
                               f"accuracy so far)" if saved is not None else "this epoch's start")
             self.sampler_bare, self.sampler_model = self.engine.frozen_copy(
                 self.members[0], saved)
@@ -183,7 +183,7 @@ class LCCN(Method):
             self.lccn_step = self.labeler.step_count
             self.labeler = None
         if self.engine.session.rank == 0:
-            print(f"[lccn] memorisation guard: {why}; from epoch {epoch} on LCCN trains on "
+            print(f"[lccn] memorisation guard: {why}; from epoch {epoch + 1} on LCCN trains on "
                   f"{self.cfg.targets} targets with prior_strength "
                   f"{self.cfg.prior_strength:g}"
                   + (f"; Eq. 7 reads the classifier frozen as at {frozen_at}"
@@ -205,10 +205,8 @@ class LCCN(Method):
         self._best["seen"] = epoch
         val = float(row.get("val_top1", float("nan")))
         if val > self._best["val"]:  # False for NaN: no validation split, no copy
-            m = self.members[0]
-            src = m.ema if m.ema is not None else m.model
-            self._best.update(val=val, epoch=epoch, weights={k: v.detach().clone()
-                                                for k, v in src.state_dict().items()})
+            self._best.update(val=val, epoch=epoch, weights={
+                k: v.detach().clone() for k, v in self.members[0].averaged.state_dict().items()})
 
     def begin_epoch(self, epoch: int, steps_per_epoch: int) -> None:
         if not self.in_noise_phase(epoch):
@@ -331,7 +329,7 @@ class LCCN(Method):
         return {"lccn_step": self.lccn_step, "phi_init": self.phi_init,
                 "noise_floor": self.noise_floor,
                 "guard_sampler": None if sampler is None else {
-                    k: v.detach().cpu().clone() for k, v in sampler.items()},
+                    k: v.detach().cpu() for k, v in sampler.items()},   # never trained
                 "guard_best": {**self._best, "weights": None if self._best["weights"] is None
                                else {k: v.cpu() for k, v in self._best["weights"].items()}},
                 **self.monitor.state_dict(),
