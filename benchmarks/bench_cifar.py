@@ -60,11 +60,18 @@ from pipeline.core.noise import (
     asymmetric_cifar10,
     clean_view,
     format_transition,
+    from_csv,
     instance_dependent,
     symmetric,
 )
 from pipeline.core.options import UNSET, add_options, apply_options, apply_point
-from pipeline.data.cifar_memory import RandomCropFlip, channel_stats, load_cifar10, normalise
+from pipeline.data.cifar_memory import (
+    CIFAR10_CLASSES,
+    RandomCropFlip,
+    channel_stats,
+    load_cifar10,
+    normalise,
+)
 from pipeline.data.transforms import PerImageStandardize
 from pipeline.train.trainer import LocalTrainer, TensorData, select_epoch
 
@@ -73,9 +80,16 @@ SETTINGS = {
     "sym0.5": ("symmetric", 0.5),
     "idn0.4": ("instance", 0.4),
     "asym0.3": ("asymmetric", 0.3),
+    "asym0.2": ("asymmetric", 0.2),
+    "sym0.2": ("symmetric", 0.2),
     "clean": ("symmetric", 0.0),  # the ceiling: every label right
+    # real human noise: CIFAR-10N's label sets (Wei et al. 2022), a column of HUMAN_LABELS
+    "aggre": ("human", "aggre"),      # majority vote of three annotators, 9.0% wrong
+    "random1": ("human", "random1"),  # the first annotator, 17.2% wrong
 }
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+# CIFAR-10N's labels of the training JPEGs, key train/<class>/<k:04d>, under --data
+HUMAN_LABELS = Path("cifar10n") / "cifar10n-aggre-random1.csv"
 
 
 # the config fields the benchmark takes from the command line, and its protocol's defaults
@@ -83,7 +97,7 @@ FLAGS = ("--model", "--epochs", "--pretrain-epochs", "--milestones", "--lr", "--
          "--weight-decay", "--ema-decay", "--norm-weight-decay", "--bn-momentum", "--compile", "--val-fraction",
          "--alpha", "--prior-strength", "--warmup-steps", "--warmup", "--targets", "--init", "--warmup-prior",
          "--ramp-epochs", "--refresh-steps", "--guard-drop", "--guard-patience", "--guard-targets",
-         "--guard-prior-strength", "--guard-floor", "--guard-sampler")
+         "--guard-prior-strength", "--guard-floor", "--guard-sampler", "--teacher")
 DEFAULTS = {"--model": "cnn_wide", "--epochs": 24, "--pretrain-epochs": 8,
             "--milestones": (16, 21), "--lr": 0.1, "--batch-size": 128,
             "--warmup-steps": UNSET}
@@ -178,6 +192,8 @@ class Cifar:
     aug: RandomCropFlip | None
     features: torch.Tensor | None
     normalize: nn.Module | None
+    rows: np.ndarray | None = None   # the training subset's idx among the 50,000
+    human_labels: Path | None = None  # the real-noise label file (HUMAN_LABELS)
 
 
 def load_data(args: argparse.Namespace) -> Cifar:
@@ -206,11 +222,41 @@ def load_data(args: argparse.Namespace) -> Cifar:
           f"normalised per {args.normalise}, augmentation {args.augment}", flush=True)
     if args.augment == "none":
         aug = None
-    return Cifar(train_x, arrays.train_y[keep], test_x, arrays.test_y, aug, features, norm)
+    return Cifar(train_x, arrays.train_y[keep], test_x, arrays.test_y, aug, features, norm,
+                 rows=keep, human_labels=args.data / HUMAN_LABELS)
 
 
-def noisy_view(name: str, clean: np.ndarray, features: torch.Tensor, seed: int) -> LabelView:
+def cifar10_keys() -> list[str]:
+    """The key of each of the 50,000 training JPEGs by idx (class-major, file order):
+    ``train/<class>/<k:04d>``, as the tarball names them and CIFAR-10N's file keys them."""
+    return [f"train/{c}/{k:04d}" for c in CIFAR10_CLASSES for k in range(5000)]
+
+
+def human_view(path: Path, column: str, rows: np.ndarray) -> LabelView:
+    """Real annotator noise: ``column`` of the label file at ``path`` joined on the file key,
+    at the training subset's ``rows``; the clean label is the image's folder. The view's
+    ``transition`` is the realised one of those rows (what ``--oracle-phi`` holds and the
+    transition error compares with): for image-dependent noise, the best class-conditional
+    description of it, not its generating process."""
+    keys = cifar10_keys()
+    full = from_csv(path, keys, 10, clean=np.arange(len(keys)) // 5000, column=column)
+    sub = full.take(rows)
+    return replace(sub, transition=sub.realised_transition(k_latent=10))
+
+
+def noisy_view(name: str, clean: np.ndarray, features: torch.Tensor, seed: int, *,
+               rows: np.ndarray | None = None, human_labels: Path | None = None) -> LabelView:
+    """The label view of setting ``name`` over the training subset (clean labels ``clean``,
+    its idx among the 50,000 ``rows``); real-noise settings read ``human_labels`` and
+    ignore ``seed`` (the labels are the annotators')."""
     kind, rate = SETTINGS[name]
+    if kind == "human":
+        if rows is None or human_labels is None:
+            raise ValueError(f"setting {name!r} needs rows= and human_labels= (the label file)")
+        view = human_view(human_labels, rate, rows)
+        if not np.array_equal(view.clean, clean):
+            raise ValueError(f"{human_labels}: the rows' folder classes differ from the subset's")
+        return view
     if kind == "asymmetric":
         return asymmetric_cifar10(clean, rate, seed=seed)
     if kind == "symmetric":
@@ -349,6 +395,10 @@ def fit_pair(args: argparse.Namespace, cfg_ce: RunConfig, cfg_lccn: RunConfig,
     lc = LocalTrainer(cfg, train, test, device=args.device, normalize=normalize)
     _set_schedule(args, lc, offset=0 if args.restart else p)
     lc.model.load_state_dict(snap["model"])
+    if not args.restart:
+        # the same run continued: its CE epochs are the rows before the noise phase (the
+        # last one is a candidate for the best noisy-validation epoch, as in the jobs)
+        lc.engine.history = [dict(r, epoch=r["epoch"] - p) for r in hist_ce[:p]]
     # the rate the start was last trained at: the collapse monitor compares up to it
     lc.engine.init_lr = hist_ce[p - 1]["lr"]
     if not args.restart:  # the same run continued: momentum and the step count go on
@@ -506,7 +556,8 @@ def summarise(entry: dict, start: int = 0) -> dict:
 
 
 def run_one(args: argparse.Namespace, name: str, seed: int, data: Cifar) -> dict:
-    view = noisy_view(name, data.train_y, data.features, seed)
+    view = noisy_view(name, data.train_y, data.features, seed, rows=data.rows,
+                      human_labels=data.human_labels)
     train = TensorData(data.train_x, view, augment=data.aug)
     test = TensorData(data.test_x, clean_view(data.test_y, 10))
     n_train = len(train) - int(round(args.val_fraction * len(train)))

@@ -52,7 +52,7 @@ from pipeline.train.trainer import LocalTrainer, TensorData  # noqa: E402
 
 METHODS = ("ce", "bootstrap", "forward", "sadapt", "trevision", "lccn", "lccn_star",
            "lccn_plus", "dividemix", "divide_lccn")
-SETTINGS = ("asym0.5", "sym0.5", "idn0.4", "open0.3")
+SETTINGS = ("asym0.5", "sym0.5", "idn0.4", "open0.3", "aggre", "random1")
 TRUSTED_FRACTION = 0.1
 # DivideMix's options a run may set (the library's defaults otherwise)
 DIVIDE_FLAGS = ("--lambda-u", "--conf-penalty", "--p-threshold", "--mixmatch-alpha")
@@ -99,7 +99,8 @@ def load_setting(args: argparse.Namespace, name: str, seed: int):
     mean, std = channel_stats(raw)
     train_x, test_x = normalise(raw, mean, std), normalise(arrays.test_x, mean, std)
     if name != "open0.3":
-        view = bench_cifar.noisy_view(name, clean, train_x, seed)
+        view = bench_cifar.noisy_view(name, clean, train_x, seed, rows=keep,
+                                      human_labels=args.data / bench_cifar.HUMAN_LABELS)
     aug = RandomCropFlip(padding=4, fill=-mean / std) if args.augment == "cropflip" else None
     return view, train_x, test_x, arrays.test_y, aug
 

@@ -328,6 +328,26 @@ def test_from_csv_errors_name_file_and_line(tmp_path, body, line, match):
     assert f"{path}:{line}:" in str(e.value)
 
 
+def test_from_csv_reads_one_column_of_several_label_sets(tmp_path):
+    """``column``: a file holding several annotators' labels (CIFAR-10N's key,aggre,random1)
+    reads the named column, joined on the key; the spec records it and make_view rebuilds
+    the same view from the spec."""
+    path = tmp_path / "human.csv"
+    path.write_text("key,aggre,random1\nk2,3,4\nk0,1,1\nk1,2,9\n")
+    v = nz.from_csv(path, ["k0", "k1", "k2"], 10, clean=[1, 2, 3], column="random1")
+    np.testing.assert_array_equal(v.observed, [1, 9, 4])
+    assert v.spec["column"] == "random1" and v.noise_rate() == pytest.approx(2 / 3)
+    again = nz.make_view(v.spec, [1, 2, 3], 10, keys=["k0", "k1", "k2"])
+    np.testing.assert_array_equal(again.observed, v.observed)
+    np.testing.assert_array_equal(nz.from_csv(path, ["k0", "k1", "k2"], 10,
+                                              column="aggre").observed, [1, 2, 3])
+    with pytest.raises(ValueError, match=rf"{path}:1: header .*no 'key' and 'worse'"):
+        nz.from_csv(path, ["k0", "k1", "k2"], 10, column="worse")
+    path.write_text("key,aggre,random1\nk0,1,1\nk1,2\n")
+    with pytest.raises(ValueError, match=rf"{path}:3: 2 fields, the header has 3"):
+        nz.from_csv(path, ["k0", "k1"], 10, column="aggre")
+
+
 def test_from_csv_missing_samples(tmp_path):
     path = tmp_path / "part.csv"
     path.write_text("k0,5\nk2,6\n")

@@ -14,6 +14,7 @@ INITS = ("argmax", "observed")
 WARMUP_PRIORS = ("model", "deconvolved")
 TARGETS = ("sample", "posterior", "map")
 GUARD_SAMPLERS = ("frozen", "live")
+TEACHERS = ("best", "live")
 TRANSITIONS = ("anchor", "eq8", "file")
 
 
@@ -177,6 +178,20 @@ class LCCNConfig:
         crossing, 42.3% at the best noisy-validation epoch three epochs earlier). It costs
         one forward pass of the copy per step after the switch, and one copy of the
         weights held (and checkpointed) from the noise phase's start.
+    teacher: which classifier Eq. 7 reads for P(z | x). ``"live"``: the network being
+        trained (the paper). ``"best"``: the network as it was after the noise phase's
+        epoch with the best noisy validation accuracy so far (the last CE epoch
+        included), which is the network being trained itself whenever the epoch just
+        ended set that best, else a copy kept then that no step trains (re-made at each
+        later best; its weight average when it has one; without a validation split the
+        live network). Where the classifier memorises its noisy labels, Eq. 7 reading it
+        draws each sample back to the label it is memorising (z -> the observed labels,
+        φ -> the identity) and LCCN memorises with CE; the held-out accuracy on noisy
+        labels is the φ-free measure of that harm, and the teacher stops following the
+        classifier exactly when that accuracy stops rising (the noisy validation peak)
+        and follows it again when it rises past its best. It costs one forward pass of
+        the copy per step in the epochs Eq. 7 reads one, and one copy of the weights held
+        (and checkpointed).
     report_epochs: the label-issue report (:mod:`pipeline.track.label_issues`) averages each
         training sample's Eq. 7 posterior over the run's last this many LCCN epochs
         (0: off; memory N x K_latent floats per worker).
@@ -211,6 +226,7 @@ class LCCNConfig:
     guard_prior_strength: float = 1.0
     guard_floor: bool = True
     guard_sampler: str = field(default="frozen", metadata={"choices": GUARD_SAMPLERS})
+    teacher: str = field(default="live", metadata={"choices": TEACHERS})
 
     def __post_init__(self) -> None:
         alphas = self.alpha if isinstance(self.alpha, (tuple, list)) else (self.alpha,)
@@ -240,6 +256,8 @@ class LCCNConfig:
         if self.guard_sampler not in GUARD_SAMPLERS:
             raise ValueError(f"guard_sampler must be one of {GUARD_SAMPLERS}, got "
                              f"{self.guard_sampler!r}")
+        if self.teacher not in TEACHERS:
+            raise ValueError(f"teacher must be one of {TEACHERS}, got {self.teacher!r}")
         if not (0 <= self.guard_prior_strength < float("inf")):
             raise ValueError(f"guard_prior_strength must be a finite number >= 0, got "
                              f"{self.guard_prior_strength}")

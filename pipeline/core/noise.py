@@ -29,7 +29,8 @@ The ``spec`` form accepted by :func:`make_view` (what Ray Tune and the jobs pass
     {"kind": "cifar100_superclass", "rate": 0.4, "seed": 0, "exact": False}
     {"kind": "open_set", "fraction": 0.2, "seed": 0, "noise": {<closed-set spec>}}
         (or "count": 10000 instead of "fraction"; optional "pixel_seed", default "seed")
-    {"kind": "csv", "path": "labels.csv", "missing": "raise"}  (optional "sha256" is checked)
+    {"kind": "csv", "path": "labels.csv", "missing": "raise"}  (optional "sha256" is checked;
+        "column": "random1" reads that column of a file with a header, as CIFAR-10N's)
     {"kind": "instance", "rate": 0.4, "seed": 0, "norm_std": 0.1}
         (instance-dependent, Xia et al. 2020; needs the images as features=)
 
@@ -409,13 +410,17 @@ def shuffle_pixels(image: np.ndarray, *, idx: int, seed: int) -> np.ndarray:
 
 def from_csv(path: str | os.PathLike, keys: Sequence[str], num_classes: int, *,
              clean: Any = None, missing: str = "raise", default: Any = None,
-             expect_sha256: str | None = None) -> LabelView:
+             expect_sha256: str | None = None, column: str | None = None) -> LabelView:
     """Observed labels from a ``key,label`` file (real annotator noise).
 
     Format: one ``key,label`` per line; an optional first line ``key,label`` (header); blank
     lines are skipped; fields are stripped; a key may be CSV-quoted, and since the label is
     the last field a key with unquoted commas (Clothing1M's ``images/7/88/3396,2782.jpg``)
     also reads. ``keys[i]`` is the key of sample ``idx = i``.
+
+    column: read a file of several label sets instead (CIFAR-10N's ``key,aggre,random1``):
+    its first line is a header naming ``key`` and ``column``, every row has as many fields
+    as the header, and the label is that column's field.
 
     Raises ``ValueError`` naming ``path:line`` for a malformed line, a label outside
     ``[0, K)``, a key that is not in ``keys``, or a key given twice.
@@ -459,6 +464,7 @@ def from_csv(path: str | os.PathLike, keys: Sequence[str], num_classes: int, *,
     seen_at = np.zeros(n, np.int64)  # line number where idx was set (0 = not yet)
     reader = csv.reader(text.splitlines())
     first = True
+    header: list[str] | None = None
     try:
         for row in reader:
             line = reader.line_num
@@ -467,12 +473,24 @@ def from_csv(path: str | os.PathLike, keys: Sequence[str], num_classes: int, *,
                 continue
             if first:
                 first = False
+                if column is not None:
+                    header = [f.lower() for f in fields]
+                    if "key" not in header or column.lower() not in header:
+                        raise ValueError(f"{path}:{line}: header {','.join(fields)!r} has no "
+                                         f"'key' and {column!r} columns")
+                    continue
                 if [f.lower() for f in fields] == ["key", "label"]:
                     continue
-            if len(fields) < 2:
+            if header is not None:
+                if len(fields) != len(header):
+                    raise ValueError(f"{path}:{line}: {len(fields)} fields, the header has "
+                                     f"{len(header)}")
+                key, lab = fields[header.index("key")], fields[header.index(column.lower())]
+            elif len(fields) < 2:
                 raise ValueError(f"{path}:{line}: malformed line {','.join(row)!r} "
                                  "(expected key,label)")
-            key, lab = ",".join(fields[:-1]), fields[-1]
+            else:
+                key, lab = ",".join(fields[:-1]), fields[-1]
             try:
                 label = int(lab)
             except ValueError:
@@ -506,6 +524,8 @@ def from_csv(path: str | os.PathLike, keys: Sequence[str], num_classes: int, *,
         obs[absent] = dflt[absent]
     spec = {"kind": "csv", "path": str(path), "sha256": digest, "missing": missing,
             "listed": int(n - absent.size)}
+    if column is not None:
+        spec["column"] = column
     return LabelView(observed=obs, clean=clean_arr, num_classes=k, spec=spec)
 
 
@@ -710,7 +730,7 @@ _KEYS: dict[str, tuple[set[str], set[str]]] = {  # kind -> (required, optional) 
     "pair_flip": ({"mapping", "rate", "seed"}, {"exact"}),
     "cifar100_superclass": ({"rate", "seed"}, {"exact"}),
     "open_set": ({"seed"}, {"fraction", "count", "noise", "pixel_seed"}),
-    "csv": ({"path"}, {"missing", "sha256", "listed"}),
+    "csv": ({"path"}, {"missing", "sha256", "listed", "column"}),
     "instance": ({"rate", "seed"}, {"norm_std"}),
 }
 _TRUSTED_KEYS = ({"seed"}, {"fraction", "count", "per_class", "include_ood", "outliers"})
@@ -839,7 +859,7 @@ def _make_base(spec: dict[str, Any], clean: Any, num_classes: int, *, keys, coar
         raise ValueError(f"{what} needs keys= (the key of each idx)")
     missing = spec.get("missing", "raise")
     return from_csv(spec["path"], keys, k, clean=clean, missing=missing, default=observed,
-                    expect_sha256=spec.get("sha256"))
+                    expect_sha256=spec.get("sha256"), column=spec.get("column"))
 
 
 # -- reporting -------------------------------------------------------------------------------

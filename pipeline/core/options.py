@@ -56,6 +56,7 @@ FLAGS: dict[str, str] = {
     "--guard-prior-strength": "lccn.guard_prior_strength",
     "--guard-floor": "lccn.guard_floor",
     "--guard-sampler": "lccn.guard_sampler",
+    "--teacher": "lccn.teacher",
     "--refresh-steps": "lccn.refresh_steps",
     "--commit-every": "lccn.commit_every",
     "--report-epochs": "lccn.report_epochs",

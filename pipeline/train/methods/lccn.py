@@ -88,6 +88,8 @@ class LCCN(Method):
         # epoch row looked at (a run resumed within an epoch does not look at it again)
         self._best: dict[str, Any] = {"val": float("-inf"), "seen": -1, "epoch": None,
                                       "weights": None}
+        # teacher="best": the best epoch whose copy sampler_model holds (None: the live one)
+        self._teacher_epoch: int | None = None
         self.phi_init: Tensor | None = None
         # H(observed | clean) that phi_init implies (every rank's rows: the guard reads it)
         self.noise_floor: float | None = None
@@ -166,7 +168,7 @@ class LCCN(Method):
         self.guarded_at = at
         self.cfg = replace(lc, targets=lc.guard_targets,
                            prior_strength=max(lc.prior_strength, lc.guard_prior_strength))
-        if lc.guard_sampler == "frozen":
+        if lc.guard_sampler == "frozen" and lc.teacher != "best":
             # the classifier of the best noisy-validation epoch so far (without a
             # validation split: as it stands at the switch); resumed: the saved copy
             saved = self._saved_sampler if self._saved_sampler is not None \
@@ -189,14 +191,24 @@ class LCCN(Method):
                   + (f"; Eq. 7 reads the classifier frozen as at {frozen_at}"
                      if self.sampler_model is not None else ""), flush=True)
 
+    def _keeps_best(self) -> bool:
+        """Whether the best noisy-validation epoch's weights are kept: for the teacher
+        (``teacher="best"``, the whole noise phase) or for a guard's frozen sampler (until
+        the guard fires)."""
+        lc = self.cfg
+        if lc.teacher == "best":
+            return True
+        return ((lc.guard_drop > 0 or lc.guard_floor) and lc.guard_sampler == "frozen"
+                and self.guarded_at is None)
+
     def _remember_best(self) -> None:
-        """``guard_sampler="frozen"``: before the guard fires, keep a copy of the weights
-        (the weight average's when there is one) after each epoch from the noise phase's
-        start whose noisy validation accuracy beats every earlier one's: the network
-        Eq. 7 is frozen at. The last row is the epoch just ended, whose weights these are."""
-        lc, hist = self.cfg, self.engine.history
-        if ((lc.guard_drop <= 0 and not lc.guard_floor) or lc.guard_sampler != "frozen"
-                or self.guarded_at is not None or not hist):
+        """Keep a copy of the weights (the weight average's when there is one) after each
+        epoch from the noise phase's start (the last CE epoch included) whose noisy
+        validation accuracy beats every earlier one's: the network Eq. 7 reads with
+        ``teacher="best"``, or is frozen at when a guard fires. The last row is the epoch
+        just ended, whose weights these are."""
+        hist = self.engine.history
+        if not self._keeps_best() or not hist:
             return
         row = hist[-1]
         epoch = int(row.get("epoch", -1))
@@ -208,11 +220,28 @@ class LCCN(Method):
             self._best.update(val=val, epoch=epoch, weights={
                 k: v.detach().clone() for k, v in self.members[0].averaged.state_dict().items()})
 
+    def _select_teacher(self) -> None:
+        """``teacher="best"``: the network Eq. 7 reads this epoch. The trained one (None)
+        when the epoch just ended holds the best noisy validation accuracy so far (or
+        there is none), else the copy of the best epoch's weights (made once per best)."""
+        if self.cfg.teacher != "best":
+            return
+        hist, best = self.engine.history, self._best["epoch"]
+        if best is None or (hist and int(hist[-1].get("epoch", -1)) == best):
+            self.sampler_bare = self.sampler_model = None
+            self._teacher_epoch = None
+            return
+        if self._teacher_epoch != best or self.sampler_model is None:
+            self.sampler_bare, self.sampler_model = self.engine.frozen_copy(
+                self.members[0], self._best["weights"])
+            self._teacher_epoch = best
+
     def begin_epoch(self, epoch: int, steps_per_epoch: int) -> None:
         if not self.in_noise_phase(epoch):
             return
         self._remember_best()
         self._guard(epoch)
+        self._select_teacher()
         if self.labeler is None:
             o = self.run.optim
             self.labeler = self.engine.chain.labeler(
@@ -277,6 +306,11 @@ class LCCN(Method):
         return {"staleness_max": float(getattr(self.labeler, "max_staleness", 0))
                 if self.labeler is not None else 0.0,
                 "guarded": float(self.guarded_at is not None),
+                # the epoch whose copy Eq. 7 read this epoch (teacher="best" or a guard's
+                # frozen sampler), -1: the network being trained
+                "teacher_epoch": float(-1 if self.sampler_model is None else
+                                       self._teacher_epoch if self._teacher_epoch is not None
+                                       else -2),
                 "noise_floor": float("nan") if self.noise_floor is None else self.noise_floor}
 
     def observe_chain(self, state: dict | None, *, epoch: int,
@@ -324,8 +358,9 @@ class LCCN(Method):
             threshold=self.cfg.outlier_threshold, keys=opts.sample_keys)}
 
     def state_dict(self) -> dict[str, Any]:
-        sampler = (self.sampler_bare.state_dict() if self.sampler_bare is not None
-                   else self._saved_sampler)
+        # the guard's frozen sampler (the teacher's copy is re-made from guard_best)
+        sampler = (None if self.cfg.teacher == "best" else self.sampler_bare.state_dict()
+                   if self.sampler_bare is not None else self._saved_sampler)
         return {"lccn_step": self.lccn_step, "phi_init": self.phi_init,
                 "noise_floor": self.noise_floor,
                 "guard_sampler": None if sampler is None else {
