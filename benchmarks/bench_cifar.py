@@ -65,6 +65,7 @@ from pipeline.core.noise import (
     symmetric,
 )
 from pipeline.core.options import UNSET, add_options, apply_options, apply_point
+from pipeline.core.posterior import STATE_KEY
 from pipeline.data.cifar_memory import (
     CIFAR10_CLASSES,
     RandomCropFlip,
@@ -154,6 +155,10 @@ def get_args_parser() -> argparse.ArgumentParser:
                         "pre-training here")
     p.add_argument("--pretrain-wait", type=float, default=7200.0,
                    help="seconds to wait for --pretrain-from before giving up")
+    p.add_argument("--report-state", type=Path, default=None,
+                   help="with LCCN: write the label-issue report's inputs (the averaged "
+                        "posteriors, the held-out predictions, the chain and the clean "
+                        "labels) to this file, for pipeline.track.label_issues.build_report")
     p.add_argument("--oracle-phi", action="store_true",
                    help="diagnostic, not a method: LCCN samples with the true transition of the "
                         "label view for its whole phase (phi_init := truth, warm-up = every "
@@ -426,6 +431,12 @@ def fit_pair(args: argparse.Namespace, cfg_ce: RunConfig, cfg_lccn: RunConfig,
     hist = lc.fit(on_epoch=on_lccn)
     for r in hist:
         r["epoch"] += p
+    if args.report_state is not None and lc.store is not None:
+        # the label-issue report's inputs (pipeline.track.label_issues.build_report)
+        args.report_state.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({STATE_KEY: lc.engine.method.report.state_dict(),
+                    "store": lc.engine.chain.read(), "clean": lc.train.clean.clone()},
+                   args.report_state)
     if args.restart and args.restart_control:
         out["ce_restart"] = {"history": hist_ce[:p] + hist, "config": asdict(cfg),
                              "wall_s": snap["t"] + time.perf_counter() - t1}

@@ -208,9 +208,19 @@ def test_above_the_size_limit_each_sample_keeps_its_top_classes(monkeypatch):
     rep = li.build_report(state)
     want = li.rank_mislabelled(dense / 3, observed.numpy(), np.arange(n), num_classes=k_cls)
     np.testing.assert_allclose(rep.mislabelled.score, want.score, atol=1e-5)
-    assert (rep.mislabelled.flagged == want.flagged).all()
+    # the decisions from the dense posterior (no held-out split: no calibration, no shift):
+    # flagged where P(wrong) is above its mean, relabelled where the most probable other
+    # in-distribution class beats the observed label
+    mean = dense / 3
+    obs = observed.numpy()
+    p_obs = mean[np.arange(n), obs]
+    other = mean[:, :k_cls].copy()
+    other[np.arange(n), obs] = -1
+    wrong = 1 - p_obs - mean[:, k_cls]
+    assert (rep.mislabelled.flagged == (wrong > wrong.mean())).all()
     indist = truth < k_cls  # an outlier's runner-up class may fall out of the 3 kept
-    assert (rep.mislabelled.suggested == want.suggested)[indist].all() and indist.sum() > 30
+    assert (rep.mislabelled.relabel == (other.max(1) > p_obs))[indist].all()
+    assert (rep.mislabelled.suggested == other.argmax(1))[indist].all() and indist.sum() > 30
     assert any("kept each sample's 3 largest of 10 classes" in n for n in rep.notes)
 
 
@@ -285,16 +295,31 @@ def test_report_files_and_cli_log_into_a_real_mlflow_store(tmp_path, capsys):
     labels = list(csv.DictReader(open(tmp_path / "rep" / "labels.csv")))
     assert [int(r["idx"]) for r in labels] == counted.tolist()
     assert list(labels[0]) == ["idx", "key", "observed", "suggested", "p_suggested",
-                               "p_observed", "p_outlier", "flagged"]
+                               "p_observed", "p_outlier", "flagged", "relabel", "cleaned"]
     assert {int(r["idx"]) for r in labels if r["flagged"] == "1"} == planted
+    assert {int(r["idx"]) for r in labels if r["relabel"] == "1"} == planted
     for r in labels:
         i = int(r["idx"])
-        if clean[i] < 3:  # the posterior peaks at the truth: suggested = clean
-            assert r["suggested"] == str(clean[i]) and float(r["p_suggested"]) > 0.9
-            assert float(r["p_observed"]) == pytest.approx(1 / 1.06 if observed[i] == clean[i]
-                                                           else 0.02 / 1.06, abs=1e-3)
+        if clean[i] < 3:  # the posterior peaks at the truth: the cleaned label is clean
+            assert r["cleaned"] == str(clean[i])
+            if observed[i] != clean[i]:
+                assert r["suggested"] == str(clean[i]) and float(r["p_suggested"]) > 0.9
+                assert float(r["p_observed"]) < 0.1
+            else:
+                assert float(r["p_observed"]) > 0.9 and float(r["p_suggested"]) < 0.1
         else:
-            assert float(r["p_outlier"]) > 0.9
+            assert float(r["p_outlier"]) > 0.9 and r["relabel"] == "0"
+    # the estimate: the training posteriors (truth-peaked) are moved only as far as the
+    # 12 held-out labels' 95% interval requires (1 wrong of 12 there, 12 of 48 here)
+    c = summary["cleaning"]
+    truth_acc = float(np.mean([observed[i] == clean[i] for i in counted]))
+    assert c["accuracy_observed"] == pytest.approx(truth_acc, abs=0.05)
+    held = c["heldout_accuracy_observed"]
+    assert c["accuracy_observed"] == pytest.approx(held - 1.96 * c["accuracy_observed_se"],
+                                                   abs=1e-6)
+    assert c["relabel"] == len(planted) and 0 < c["expected_gain"] <= 1 - truth_acc + 0.05
+    assert c["calibration"]["temperature"] == 1.0  # 12 samples do not support a fit
+    assert "Estimated accuracy of the observed labels" in printed
     assert client.get_run(run_id).data.metrics["label_issues_rprec_train_mislabelled_lccn"] == 1.0
 
 

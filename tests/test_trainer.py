@@ -708,7 +708,7 @@ def test_the_memorisation_guard_switches_to_hard_targets_and_the_anchored_prior(
         "top1": script[min(len(self.history), len(script) - 1)], "nll": 1.0})
     xtr, ytr, xte, yte = _digits()
     view = pair_flip(ytr, 10, CIFAR10_ASYM_MAP, 0.4, seed=0)
-    cfg = replace(_short_cfg(guard_drop=0.05, guard_patience=1, guard_floor=False),
+    cfg = replace(_short_cfg(guard_drop=0.05, guard_patience=1, guard_rise=0, teacher="live"),
                   val_fraction=0.1,
                   optim=OptimConfig(epochs=5, pretrain_epochs=1, batch_size=64, lr=0.05,
                                     milestones=(2,)))
@@ -738,7 +738,8 @@ def test_the_floor_guard_switches_once_the_classifier_fits_below_the_noise_floor
 
     xtr, ytr, xte, yte = _digits()
     view = pair_flip(ytr, 10, CIFAR10_ASYM_MAP, 0.4, seed=0)
-    cfg = replace(_short_cfg(guard_floor=True, guard_sampler="live"), val_fraction=0.1,
+    cfg = replace(_short_cfg(guard_floor=True, guard_rise=0, teacher="live",
+                             guard_sampler="live"), val_fraction=0.1,
                   optim=OptimConfig(epochs=6, pretrain_epochs=1, batch_size=32, lr=0.05))
     trainer = LocalTrainer(cfg, TensorData(xtr, view), TensorData(xte, clean_view(yte)))
     rows = trainer.fit()
@@ -778,7 +779,7 @@ def test_after_the_floor_guard_eq7_reads_a_frozen_copy_of_the_classifier(monkeyp
     monkeypatch.setattr(GibbsLabeler, "sample", recording_sample)
     xtr, ytr, xte, yte = _digits()
     view = pair_flip(ytr, 10, CIFAR10_ASYM_MAP, 0.4, seed=0)
-    cfg = replace(_short_cfg(guard_floor=True), val_fraction=0.1,
+    cfg = replace(_short_cfg(guard_floor=True, guard_rise=0, teacher="live"), val_fraction=0.1,
                   optim=OptimConfig(epochs=6, pretrain_epochs=1, batch_size=32, lr=0.05))
     trainer = LocalTrainer(cfg, TensorData(xtr, view), TensorData(xte, clean_view(yte)))
     holder["method"] = method = trainer.method
@@ -812,3 +813,170 @@ def test_after_the_floor_guard_eq7_reads_a_frozen_copy_of_the_classifier(monkeyp
     restored = method.sampler_bare.state_dict()
     for k, v in expected.items():
         torch.testing.assert_close(restored[k], v)
+
+
+def test_the_teacher_is_the_network_of_the_best_noisy_validation_epoch_so_far(monkeypatch):
+    """LCCNConfig.teacher "best" (default): Eq. 7 reads the network being trained while the
+    epoch just ended holds the best noisy validation accuracy so far, else a copy of the
+    weights after that best epoch (its eval-mode probabilities), re-made when a later epoch
+    beats it; the later of two equal epochs wins. Scripted accuracies (the epoch being
+    scored): 0.50 (CE), 0.60, 0.55, 0.58, 0.60, 0.62, 0.61."""
+    from pipeline.train.engine import Engine
+    from pipeline.train.labeler import GibbsLabeler
+    from pipeline.train.loop import predict
+
+    script = [0.50, 0.60, 0.55, 0.58, 0.60, 0.62, 0.61]
+    monkeypatch.setattr(Engine, "val_scores", lambda self: {
+        "top1": script[min(len(self.history), len(script) - 1)], "nll": 1.0,
+        "nll_plain": 1.0})
+    seen: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+    sample = GibbsLabeler.sample
+    holder: dict = {}
+
+    def recording_sample(self, probs, observed, idx):
+        seen.append((len(holder["trainer"].engine.history), idx.clone(), probs.clone()))
+        return sample(self, probs, observed, idx)
+
+    monkeypatch.setattr(GibbsLabeler, "sample", recording_sample)
+    xtr, ytr, xte, yte = _digits()
+    view = pair_flip(ytr, 10, CIFAR10_ASYM_MAP, 0.4, seed=0)
+    cfg = replace(_short_cfg(), val_fraction=0.1,
+                  optim=OptimConfig(epochs=7, pretrain_epochs=1, batch_size=64, lr=0.05))
+    assert cfg.lccn.teacher == "best"
+    trainer = LocalTrainer(cfg, TensorData(xtr, view), TensorData(xte, clean_view(yte)))
+    holder["trainer"] = trainer
+    method = trainer.method
+    weights: dict[int, dict] = {}
+    copies: dict[int, dict] = {}
+
+    def on_epoch(e, row):
+        weights[e] = {k: v.clone() for k, v in method.members[0].model.state_dict().items()}
+        if method.sampler_bare is not None:
+            copies[e] = {k: v.clone() for k, v in method.sampler_bare.state_dict().items()}
+
+    rows = trainer.fit(on_epoch=on_epoch)
+    # epoch e reads: 1, 2 live (0 and 1 set the best); 3, 4 epoch 1's copy; 5 live (4 ties
+    # 1: the later); 6 live (5 is the best)
+    assert [r["teacher_epoch"] for r in rows] == [-1, -1, -1, 1, 1, -1, -1]
+    for e in (3, 4):
+        for k, v in weights[1].items():
+            torch.testing.assert_close(copies[e][k], v)
+    # the draws of epochs 3 and 4 read the copy's eval-mode probabilities, not the trained
+    # network's (whose weights moved on)
+    frozen = trainer.engine.frozen_copy(method.members[0], weights[1])[1]
+    ref, ref_idx, _ = predict(frozen, trainer.engine.data.train_eval_batches())
+    by_idx = torch.full((int(ref_idx.max()) + 1, ref.shape[1]), float("nan"))
+    by_idx[ref_idx] = ref
+    during = [(i, p) for e, i, p in seen if e in (3, 4)]
+    assert during
+    idx = torch.cat([i for i, _ in during])
+    torch.testing.assert_close(torch.cat([p for _, p in during]), by_idx[idx], atol=1e-5,
+                               rtol=1e-4)
+    live = [(i, p) for e, i, p in seen if e == 5]
+    assert not torch.allclose(torch.cat([p for _, p in live]),
+                              by_idx[torch.cat([i for i, _ in live])], atol=1e-3)
+    # the guard never fired (a constant rate is not watched), and said so at the start
+    assert all(r["guarded"] == 0.0 and r["guard_ranks"] == 0.0 for r in rows[1:])
+
+
+def test_the_guard_stays_off_on_a_run_that_does_not_memorise(capsys):
+    """A real run (digits, 40% pair flips, weight decay, lr 0.05 -> 0.005 after epoch 4):
+    the classifier keeps fitting held-out labels as well as it fits its own, the guard
+    watches epochs 5-8 and never switches (measured: the held-out loss of the observed
+    labels ends within 0.2% of H(observed) of its lowest)."""
+    xtr, ytr, xte, yte = _digits()
+    view = pair_flip(ytr, 10, CIFAR10_ASYM_MAP, 0.4, seed=0)
+    cfg = replace(_short_cfg(), val_fraction=0.1,
+                  optim=OptimConfig(epochs=8, pretrain_epochs=2, batch_size=64, lr=0.05,
+                                    milestones=(4,)))
+    rows = LocalTrainer(cfg, TensorData(xtr, view), TensorData(xte, clean_view(yte))).fit()
+    watched = [r for r in rows[2:] if r["lr"] < rows[2]["lr"]]
+    assert len(watched) == 4
+    assert all(r["guarded"] == 0.0 for r in rows), [r["val_observed_loss"] for r in rows]
+    low = min(r["val_observed_loss"] for r in watched)
+    assert all(r["val_observed_loss"] < low + 0.01 * r["label_entropy"] for r in watched)
+    shares = np.bincount(view.observed, minlength=10) / len(view)
+    assert rows[-1]["label_entropy"] == pytest.approx(-(shares * np.log(shares)).sum(), abs=0.01)
+    assert "memorisation guard" not in capsys.readouterr().out
+
+
+def test_the_rise_trigger_switches_targets_and_prior_and_keeps_the_teacher(monkeypatch,
+                                                                            capsys):
+    """LCCNConfig.guard_rise (default 0.01): the first epoch after the lr decay whose held-out
+    loss of the observed labels is more than 0.01 x H(observed) above its lowest while the
+    training loss fell switches the rest of the run to sampled targets and the anchored
+    prior; the teacher goes on choosing by noisy validation accuracy. Scripted held-out
+    losses; the training pass is real (its loss falls)."""
+    from pipeline.train.engine import Engine
+
+    held = [2.0, 1.5, 1.6, 1.2, 1.19, 1.25, 1.3, 1.3]     # by epoch scored; lr decays at 3
+    top1 = [0.5, 0.55, 0.5, 0.6, 0.62, 0.58, 0.56, 0.55]
+    monkeypatch.setattr(Engine, "val_scores", lambda self: {
+        "top1": top1[len(self.history)], "nll": 1.0, "nll_plain": held[len(self.history)]})
+    xtr, ytr, xte, yte = _digits()
+    view = pair_flip(ytr, 10, CIFAR10_ASYM_MAP, 0.4, seed=0)
+    cfg = replace(_short_cfg(), val_fraction=0.1,
+                  optim=OptimConfig(epochs=8, pretrain_epochs=1, batch_size=64, lr=0.05,
+                                    milestones=(3,)))
+    trainer = LocalTrainer(cfg, TensorData(xtr, view), TensorData(xte, clean_view(yte)))
+    rows = trainer.fit()
+    assert rows[5]["observed_loss"] < rows[4]["observed_loss"], [r["observed_loss"] for r in rows]
+    # watched from epoch 3 (lr 0.005): lowest 1.19 at 4, 1.25 > 1.19 + 0.023 at 5
+    assert [r["guarded"] for r in rows] == [0.0] * 6 + [1.0] * 2
+    method = trainer.method
+    assert method.guarded_at == 5 and method.labeler.cfg.targets == "sample"
+    n_counted = int(method.labeler.counts.sum())
+    torch.testing.assert_close(method.labeler.alpha, 1.0 + n_counted / 10 * method.phi_init)
+    assert [r["teacher_epoch"] for r in rows] == [-1, -1, -1, 1, -1, -1, 4, 4]
+    out = capsys.readouterr().out
+    assert ("memorisation guard: the held-out loss of the observed labels rose more than "
+            "0.01 x their entropy above its lowest while the training loss fell (epoch 6); "
+            "from epoch 7 on LCCN trains on sample targets with prior_strength 1") in out
+
+
+def test_the_run_exports_its_selected_epochs_classifier_and_its_final_one_beside_it(
+        tmp_path, monkeypatch):
+    """The exported program (and the MLflow model, through Engine.predictor) holds the
+    weights after the epoch with the best noisy validation accuracy, the epoch the run
+    reports as selected (the first of equals); ``<name>-final.pt2`` the weights the run
+    ended with; each sidecar says which. Scripted accuracies: the best is epoch 2 of 4."""
+    import json
+
+    from pipeline.track.predict import ExportedClassifier
+    from pipeline.train.engine import Engine, select_epoch
+
+    script = [0.5, 0.7, 0.6, 0.7]
+    monkeypatch.setattr(Engine, "val_scores", lambda self: {
+        "top1": script[len(self.history)], "nll": 1.0, "nll_plain": 1.0})
+    xtr, ytr, xte, yte = _digits()
+    view = pair_flip(ytr, 10, CIFAR10_ASYM_MAP, 0.4, seed=0)
+    cfg = replace(_short_cfg(), method="ce", val_fraction=0.1,
+                  optim=OptimConfig(epochs=4, pretrain_epochs=1, batch_size=64, lr=0.05))
+    trainer = LocalTrainer(cfg, TensorData(xtr, view), TensorData(xte, clean_view(yte)))
+    trainer.engine.options.export_path = str(tmp_path / "models" / "run.pt2")
+    after: dict[int, dict] = {}
+    rows = trainer.fit(on_epoch=lambda e, r: after.__setitem__(e, {
+        k: v.clone() for k, v in trainer.model.state_dict().items()}))
+    assert select_epoch(rows) == 1
+    x = xte[:32]
+    best = build_small(after[1])
+    final = build_small(after[3])
+    sel = ExportedClassifier(tmp_path / "models" / "run.pt2")
+    fin = ExportedClassifier(tmp_path / "models" / "run-final.pt2")
+    with torch.no_grad():
+        torch.testing.assert_close(sel(x), torch.softmax(best(x), 1))
+        torch.testing.assert_close(fin(x), torch.softmax(final(x), 1))
+    assert not torch.allclose(sel(x), fin(x))
+    meta = json.loads((tmp_path / "models" / "run.json").read_text())
+    assert meta["weights"] == "selected epoch 2 of 4 (best noisy validation accuracy 0.7000)"
+    meta = json.loads((tmp_path / "models" / "run-final.json").read_text())
+    assert meta["weights"] == "final epoch 4"
+    torch.testing.assert_close(trainer.engine.predictor()(x), sel(x))
+
+
+def build_small(state: dict) -> torch.nn.Module:
+    from pipeline.train.models import build_model
+
+    net = build_model("small_cnn", 10, in_channels=1)
+    net.load_state_dict(state)
+    return net.eval()

@@ -120,6 +120,51 @@ def memorisation_epoch(history: Sequence[Mapping[str, float]], *, first_epoch: i
     return None
 
 
+def overfit_epoch(history: Sequence[Mapping[str, float]], *, first_epoch: int,
+                  rise: float) -> int | None:
+    """The first epoch at whose end the classifier fits its training labels beyond what holds
+    on held-out images (:attr:`LCCNConfig.guard_rise`), or None.
+
+    ``history``: the epoch rows in order (``epoch``, ``lr``, ``val_observed_loss``: the
+    held-out loss of the observed labels, ``observed_loss``: the training pass's,
+    ``label_entropy``: the entropy of the observed labels' class shares, in nats, the loss
+    of a classifier that knows nothing of the image). Watched: the rows from
+    ``first_epoch`` on whose learning rate is below that of the row of ``first_epoch`` (at
+    the phase's first rate the held-out loss swings by tens of percent from one epoch to
+    the next, with no trend). The answer is the first watched epoch whose held-out loss
+    exceeds the lowest of the watched epochs before it by more than ``rise x
+    label_entropy`` while its training loss is below that epoch's: the fit of the training
+    labels improves and the fit of labels from the same distribution on images never
+    trained on worsens, so what is learned is the training images' own labels. No estimate
+    of the noise enters. NaN losses (no validation split) never count."""
+    lr0: float | None = None
+    low: tuple[float, float] | None = None  # (held-out, training) loss at the lowest held-out
+    for r in history:
+        if int(r.get("epoch", -1)) < first_epoch:
+            continue
+        lr = float(r.get("lr", math.nan))
+        if lr0 is None:
+            lr0 = lr
+        if not lr < lr0 * (1 - 1e-6):
+            continue
+        held, fit = float(r.get("val_observed_loss", math.nan)), float(r.get("observed_loss",
+                                                                           math.nan))
+        scale = float(r.get("label_entropy", math.nan))
+        if math.isnan(held):
+            continue
+        if low is not None and held > low[0] + rise * scale and fit < low[1]:  # NaN: False
+            return int(r["epoch"])
+        if low is None or held < low[0]:
+            low = (held, fit)
+    return None
+
+
+def label_entropy(shares: Tensor) -> float:
+    """The entropy in nats of the class shares ``shares (K,)`` (counts or probabilities):
+    the loss of a classifier that predicts those shares for every image."""
+    return _entropy(shares)
+
+
 def floor_epoch(history: Sequence[Mapping[str, float]], *, first_epoch: int) -> int | None:
     """The first epoch from ``first_epoch`` on whose row has the classifier's loss on the
     observed labels below the label noise's entropy (``observed_loss < noise_floor``,

@@ -55,6 +55,7 @@ FLAGS: dict[str, str] = {
     "--guard-targets": "lccn.guard_targets",
     "--guard-prior-strength": "lccn.guard_prior_strength",
     "--guard-floor": "lccn.guard_floor",
+    "--guard-rise": "lccn.guard_rise",
     "--guard-sampler": "lccn.guard_sampler",
     "--teacher": "lccn.teacher",
     "--refresh-steps": "lccn.refresh_steps",

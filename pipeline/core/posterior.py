@@ -167,6 +167,8 @@ class ReportAccumulator:
             raise ValueError(f"observed must be ({num_samples},), got {tuple(observed.shape)}")
         self.observed = None if observed is None else observed.long().cpu()
         self.heldout: dict[str, Tensor] | None = None
+        # the selected epoch's held-out predictions (record_selected)
+        self.selected: dict[str, Any] | None = None
         self.top_cls: Tensor | None = None
         self.top_sum: Tensor | None = None
         self.obs_sum: Tensor | None = None
@@ -287,9 +289,18 @@ class ReportAccumulator:
         (gathered from every rank) and their ``idx (n,)``."""
         self.heldout = {"probs": probs.float().cpu(), "idx": idx.long().cpu()}
 
+    def record_selected(self, probs: Tensor, idx: Tensor, *, epoch: int,
+                        val_top1: float) -> None:
+        """The same from the classifier of the run's selected epoch so far (the best noisy
+        validation accuracy; what the run exports): the report's out-of-sample
+        predictions."""
+        self.selected = {"probs": probs.float().cpu(), "idx": idx.long().cpu(),
+                         "epoch": int(epoch), "val_top1": float(val_top1)}
+
     def state_dict(self) -> dict[str, Any]:
         common = {"alpha": self.alpha, "k_latent": self.k_latent,
-                  "num_classes": self.num_classes, "heldout": self.heldout}
+                  "num_classes": self.num_classes, "heldout": self.heldout,
+                  "heldout_selected": self.selected}
         if self.dense is not None:  # {"sum", "count", "epochs", "window"}
             return {**self.dense.state_dict(), **common}
         return {"top_cls": self.top_cls, "top_sum": self.top_sum, "obs_sum": self.obs_sum,
@@ -301,6 +312,7 @@ class ReportAccumulator:
         if not state:
             return
         self.heldout = state.get("heldout")
+        self.selected = state.get("heldout_selected")
         if self.dense is not None:
             if state.get("sum") is None and state.get("top_cls") is not None:
                 raise ValueError("a top-k report state cannot resume a run that keeps every "

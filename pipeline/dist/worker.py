@@ -60,7 +60,7 @@ from pipeline.data.transforms import build_batch_transform
 from pipeline.track.uris import redact_uri
 from pipeline.train.chains import ChainSet, SharedChain, chain_seed
 from pipeline.train.checkpoints import load_state
-from pipeline.train.engine import Engine, EngineOptions, Tracking
+from pipeline.train.engine import Engine, EngineOptions, Tracking, final_export_path
 from pipeline.train.export import EXPORT_META
 from pipeline.train.members import make_scheduler
 from pipeline.train.methods import get_method
@@ -305,8 +305,11 @@ def run_worker(run: RunConfig, dist: DistConfig, view: LabelView, store: Any,
         rows = Engine(run, session, data, chain=chain, options=options).fit()
         if remote and Path(export_path).is_file():
             folder = str(target).rsplit("/", 1)[0]
-            for f in (Path(export_path).with_suffix(EXPORT_META), Path(export_path)):
-                storage.upload(f, storage.join(folder, f.name), endpoint_url=dist.s3_endpoint_url)
+            for main in (Path(export_path), final_export_path(export_path)):  # selected, final
+                for f in (main.with_suffix(EXPORT_META), main):
+                    if f.is_file():
+                        storage.upload(f, storage.join(folder, f.name),
+                                       endpoint_url=dist.s3_endpoint_url)
     return rows
 
 

@@ -56,7 +56,7 @@ import json
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -82,14 +82,18 @@ __all__ = ["Ranking", "LabelIssueReport", "rank_mislabelled", "rank_mislabelled_
 @dataclass
 class Ranking:
     """One method's verdict over a set of samples: ``idx (n,)``, ``score (n,)`` (higher =
-    more likely an issue), ``flagged (n,) bool`` (the method's own decision), and
-    ``suggested (n,)`` (the label it proposes; -1 where it proposes none)."""
+    more likely an issue), ``flagged (n,) bool`` (the method's own decision: the label is
+    probably wrong), ``suggested (n,)`` (the label it proposes; -1 where it proposes none)
+    and ``relabel (n,) bool`` (where changing the label to ``suggested`` is expected to
+    make it right more often than keeping it)."""
 
     name: str
     idx: np.ndarray
     score: np.ndarray
     flagged: np.ndarray
     suggested: np.ndarray
+    # where the method would change the label to ``suggested`` (None: it does not say)
+    relabel: np.ndarray | None = None
 
     def order(self) -> np.ndarray:
         """Positions into ``idx`` from the most to the least likely issue (stable: ties
@@ -170,6 +174,148 @@ def heldout_posterior(probs: np.ndarray, observed: np.ndarray, phi: np.ndarray) 
     return np.where(s > 0, u / np.where(s > 0, s, 1.0), 1.0 / probs.shape[1])
 
 
+# -- cleaning: the held-out calibration and the decision ---------------------------------------
+
+CHI2_2_95 = 5.991  # the 95% quantile of chi-squared with 2 degrees of freedom
+
+
+@dataclass
+class Calibration:
+    """How the report reads the model's posteriors, fitted on the noisy validation split.
+
+    ``temperature``: the classifier's probabilities are ``softmax(log P(k | x) / T)``;
+    ``shrink``: the transition is ``(1 - s) phi + s I`` (negative: further from the
+    identity; LCCN*'s outlier row is left as it is). Both maximise the held-out likelihood
+    of the observed labels, ``mean log sum_k P_T(k | x) phi_s[k, ỹ]``, the one thing noisy
+    labels can check: a classifier trained to its labels is overconfident on images it was
+    not trained on, and a transition estimated from such a classifier misplaces the noise.
+    ``nll``: that likelihood before and after (mean nats)."""
+
+    temperature: float = 1.0
+    shrink: float = 0.0
+    nll_before: float = float("nan")
+    nll_after: float = float("nan")
+
+    def probs(self, probs: np.ndarray) -> np.ndarray:
+        return _tempered(probs, self.temperature)
+
+    def phi(self, phi: np.ndarray) -> np.ndarray:
+        return _shrunk(phi, self.shrink)
+
+
+def _tempered(probs: np.ndarray, t: float) -> np.ndarray:
+    z = np.log(np.clip(np.asarray(probs, dtype=np.float64), 1e-300, None)) / t
+    z -= z.max(1, keepdims=True)
+    p = np.exp(z)
+    return p / p.sum(1, keepdims=True)
+
+
+def _shrunk(phi: np.ndarray, s: float) -> np.ndarray:
+    phi = np.asarray(phi, dtype=np.float64)
+    k = phi.shape[1]
+    target = phi.copy()
+    target[:k] = np.eye(k)
+    out = np.clip((1.0 - s) * phi + s * target, 0.0, None)
+    return out / np.where(out.sum(1, keepdims=True) > 0, out.sum(1, keepdims=True), 1.0)
+
+
+def _heldout_nll(probs: np.ndarray, observed: np.ndarray, phi: np.ndarray) -> float:
+    q = (probs * phi[:, observed].T).sum(1)
+    return float(-np.log(np.clip(q, 1e-300, None)).mean())
+
+
+def calibrate(probs: np.ndarray, observed: np.ndarray, phi: np.ndarray) -> Calibration:
+    """:class:`Calibration` of a model (out-of-sample ``probs (n, K_latent)``) and its
+    transition ``phi (K_latent, K)`` on held-out samples with observed labels ``(n,)``:
+    a grid over the temperature (0.25-4, log-spaced) and the shrink (the most negative
+    that keeps every entry >= 0, to 0.95), then a bounded refinement from the best point.
+    Deterministic; no samples: the identity calibration."""
+    from scipy.optimize import minimize
+
+    probs = np.asarray(probs, dtype=np.float64)
+    obs = np.asarray(observed, dtype=np.int64)
+    phi = np.asarray(phi, dtype=np.float64)
+    if len(obs) == 0:
+        return Calibration()
+    k = phi.shape[1]
+    diag = np.diag(phi[:k])
+    off = phi[:k] - np.diag(diag)
+    # phi_s = phi + s (I - phi) on the first K rows: off-diagonals scale by (1 - s) and
+    # stay >= 0 for s <= 1; the diagonal phi_kk + s (1 - phi_kk) stays >= 0 for
+    # s >= -phi_kk / (1 - phi_kk)
+    lows = [-d / (1 - d) for d in diag if d < 1]
+    s_min = max(-4.0, max(lows) if lows else 0.0) if off.any() else 0.0
+    s_grid = np.unique(np.concatenate([np.linspace(s_min, 0.0, 6), np.linspace(0.0, 0.95, 11)]))
+    t_grid = np.exp(np.linspace(np.log(0.25), np.log(4.0), 17))
+
+    def f(x: np.ndarray) -> float:
+        return _heldout_nll(_tempered(probs, float(x[0])), obs, _shrunk(phi, float(x[1])))
+
+    start = min(((f(np.array([t, sv])), t, sv) for t in t_grid for sv in s_grid),
+                key=lambda v: v[0])
+    res = minimize(f, x0=np.array([start[1], start[2]]), method="L-BFGS-B",
+                   bounds=[(0.25, 4.0), (s_min, 0.95)])
+    best = (float(res.x[0]), float(res.x[1])) if res.fun <= start[0] else (start[1], start[2])
+    before, after = f(np.array([1.0, 0.0])), f(np.array(best))
+    # two parameters fitted on n samples: kept only when the held-out data support them
+    # (likelihood-ratio test at 5%: 2 n (before - after) above chi2(2)'s 5.99), so that a
+    # small validation split does not move the posteriors on its own noise
+    if 2 * len(obs) * (before - after) <= CHI2_2_95:
+        return Calibration(nll_before=before, nll_after=before)
+    return Calibration(best[0], best[1], nll_before=before, nll_after=after)
+
+
+def observed_odds_shift(p_observed: np.ndarray, low: float, high: float) -> float:
+    """The log-odds ``d`` that, added to every sample's posterior of its observed label
+    (``p -> e^d p / (1 - p + e^d p)``), brings their mean into ``[low, high]`` (the
+    held-out estimate's 95% interval): the smallest common correction under which the
+    training posteriors imply a label accuracy the held-out split allows; 0 when their mean
+    lies in it already."""
+    p = np.clip(np.asarray(p_observed, dtype=np.float64), 1e-12, 1 - 1e-12)
+    if p.size == 0:
+        return 0.0
+    now = float(p.mean())
+    if low <= now <= high:
+        return 0.0
+    target = min(max(now, low), high)
+    if not 0 < target < 1:
+        return 0.0
+
+    def mean_at(d: float) -> float:
+        e = np.exp(d)
+        return float((e * p / (1 - p + e * p)).mean())
+
+    lo, hi = -30.0, 30.0
+    for _ in range(80):
+        mid = (lo + hi) / 2
+        if mean_at(mid) < target:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def decide(p_observed: np.ndarray, p_best: np.ndarray, p_outlier: np.ndarray, *,
+           shift: float, noise_rate: float) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                     np.ndarray]:
+    """The report's two decisions from a posterior (``(n,)`` the observed label's, the most
+    probable other in-distribution class's, the outlier class's), read with the observed
+    label's log-odds moved by ``shift``. Returns ``(p_observed', p_best', flagged,
+    relabel)``: ``flagged`` where the probability that the label is wrong exceeds
+    ``noise_rate``, the estimated share of wrong labels (the image and its label make this
+    one more suspect than a label drawn at random: the likelihood ratio of "wrong" is
+    above 1); ``relabel`` where the other class is more probable than the observed label
+    (changing it is expected to make it right more often than keeping it: a positive
+    expected gain ``p_best' - p_observed'``)."""
+    p = np.asarray(p_observed, dtype=np.float64)
+    e = np.exp(shift)
+    z = 1 - p + e * p
+    po, pb, pk = e * p / z, np.asarray(p_best, np.float64) / z, np.asarray(p_outlier,
+                                                                            np.float64) / z
+    wrong = 1 - po - pk
+    return po, pb, wrong > noise_rate, pb > po
+
+
 def cleanlab_ranking(probs: np.ndarray, observed: np.ndarray, idx: np.ndarray, *,
                      num_classes: int) -> Ranking:
     """cleanlab on out-of-sample ``probs (n, >= K)`` (the first K columns, renormalised):
@@ -248,6 +394,8 @@ class LabelIssueReport:
     # posterior of the suggested label and of the observed one (labels.csv)
     p_suggested: np.ndarray | None = None
     p_observed: np.ndarray | None = None
+    # what cleaning is expected to do (build_report): the estimates and their source
+    cleaning: dict[str, Any] = field(default_factory=dict)
 
     def _name(self, c: int) -> str:
         return self.class_names[c] if 0 <= c < len(self.class_names) else str(c)
@@ -286,14 +434,18 @@ class LabelIssueReport:
 
     def write_labels(self, path: Path) -> Path:
         """The cleaned labels of every training sample the chain counted, in idx order:
-        ``idx, key, observed, suggested`` (class names), ``p_suggested``, ``p_observed``
-        (the mean Eq. 7 posterior of each), ``p_outlier`` (LCCN*) and ``flagged`` (1: the
-        sample is in mislabelled.csv). Written row by row (2.4M rows: about 10 s)."""
+        ``idx, key, observed, suggested`` (the most probable other class; class names),
+        ``p_suggested``, ``p_observed`` (their calibrated mean Eq. 7 posteriors),
+        ``p_outlier`` (LCCN*), ``flagged`` (1: the label is probably wrong; the sample is
+        in mislabelled.csv), ``relabel`` (1: ``suggested`` is more probable than the
+        observed label) and ``cleaned`` (``suggested`` where ``relabel``, else
+        ``observed``). Written row by row (2.4M rows: about 10 s)."""
         r, o = self.mislabelled, self.outliers
         head = ["idx", "key", "observed", "suggested", "p_suggested", "p_observed"]
         head += ["p_outlier"] if o is not None else []
-        head += ["flagged"]
+        head += ["flagged", "relabel", "cleaned"]
         order = np.argsort(r.idx, kind="stable")
+        relabel = r.relabel if r.relabel is not None else np.zeros(len(r.idx), dtype=bool)
         with open(path, "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(head)
@@ -304,7 +456,8 @@ class LabelIssueReport:
                        f"{self.p_suggested[pos]:.4f}", f"{self.p_observed[pos]:.4f}"]
                 if o is not None:
                     row.append(f"{o.score[pos]:.4f}")
-                row.append(int(r.flagged[pos]))
+                re = bool(relabel[pos])
+                row += [int(r.flagged[pos]), int(re), self._name(sg if re else ob)]
                 w.writerow(row)
         return path
 
@@ -313,8 +466,31 @@ class LabelIssueReport:
                 "flagged_mislabelled": int(self.mislabelled.flagged.sum()),
                 "flagged_outliers": (None if self.outliers is None
                                      else int(self.outliers.flagged.sum())),
-                "posterior_epochs": self.epochs, "evaluation": self.evaluation,
-                "notes": self.notes}
+                "posterior_epochs": self.epochs, "cleaning": self.cleaning,
+                "evaluation": self.evaluation, "notes": self.notes}
+
+    def cleaning_lines(self) -> list[str]:
+        """What cleaning is expected to do, in words, with the estimate's uncertainty."""
+        c = self.cleaning
+        if not c:
+            return []
+        a, se, g, n = (c["accuracy_observed"], c["accuracy_observed_se"], c["expected_gain"],
+                       c["samples"])
+        ci = f" ± {196 * se:.1f}" if se == se else ""
+        lines = [f"Estimated accuracy of the observed labels: {100 * a:.1f}%{ci} (95%; from "
+                 f"{c['estimated_from']}); {c['flagged']} of {n} labels flagged as probably "
+                 f"wrong (more suspect than the estimated {100 * c['flag_threshold']:.1f}% "
+                 f"of wrong labels)."]
+        if c["relabel"] == 0 or g <= 0:
+            lines.append("Cleaning is not expected to help: no label has another class more "
+                         "probable than itself; keep the observed labels.")
+        else:
+            small = " (within the estimate's uncertainty)" if se == se and g < 1.96 * se else ""
+            lines.append(f"Relabelling the {c['relabel']} labels whose suggested class is "
+                         f"more probable than the observed one is expected to raise it to "
+                         f"{100 * (a + g):.1f}% (+{100 * g:.2f} points{small}); labels.csv "
+                         f"column 'cleaned'.")
+        return lines
 
     def markdown(self) -> str:
         s = self.summary()
@@ -325,6 +501,8 @@ class LabelIssueReport:
                  f"{s['flagged_mislabelled']} flagged as mislabelled"
                  + ("" if s["flagged_outliers"] is None else
                     f", {s['flagged_outliers']} as out of distribution") + ".", ""]
+        if self.cleaning:
+            lines += self.cleaning_lines() + [""]
         if self.evaluation:
             lines += ["| split | issues | method | k | precision | recall |",
                       "|---|---|---|---|---|---|"]
@@ -333,6 +511,13 @@ class LabelIssueReport:
                     lines.append(f"| {ev['split']} | {ev['kind']} ({ev['issues']} of "
                                  f"{ev['evaluated']}) | {ev['method']} | {r['k']} | "
                                  f"{_fmt(r['precision'])} | {_fmt(r['recall'])} |")
+            lines.append("")
+            for ev in self.evaluation:
+                if "accuracy_cleaned" in ev:
+                    lines.append(f"- {ev['split']}: against the clean labels, the observed "
+                                 f"labels are {100 * ev['accuracy_observed']:.2f}% right, "
+                                 f"the cleaned ones ({ev['relabel']} relabelled) "
+                                 f"{100 * ev['accuracy_cleaned']:.2f}%")
             lines.append("")
         lines += [f"- {n}" for n in self.notes]
         return "\n".join(lines) + "\n"
@@ -385,28 +570,83 @@ def build_report(state: dict, *, clean: np.ndarray | None = None,
     mean = val_t[rsel].numpy().astype(np.float64) / c[:, None]
     p_obs = obs_t[rsel].numpy().astype(np.float64) / c
     p_out = out_t[rsel].numpy().astype(np.float64) / c
-    mis = rank_mislabelled_sparse(cls, mean, p_obs, p_out, observed[rows], rows,
-                                  num_classes=k)
+    obs_rows = observed[rows]
+    n_rows = len(rows)
+    # the most probable in-distribution class other than the observed label (kept classes)
+    other = np.where((cls < k) & (cls != obs_rows[:, None]), mean, -np.inf)
+    best = other.argmax(1) if n_rows else np.zeros(0, dtype=np.int64)
+    p_best = np.where(np.isfinite(other[np.arange(n_rows), best]),
+                      mean[np.arange(n_rows), best], 0.0) if n_rows else np.zeros(0)
+    suggested = np.where(p_best > 0, cls[np.arange(n_rows), best], -1) if n_rows else \
+        np.zeros(0, dtype=np.int64)
+
+    # the held-out split: the calibration, the estimated accuracy of the observed labels
+    phi = transition(torch.as_tensor(chain["counts"]),
+                     torch.as_tensor(acc["alpha"], dtype=torch.float64)).numpy()
+    held = acc.get("heldout")
+    has_held = held is not None and len(held["idx"]) > 0
+    cal, hpost = Calibration(), None
+    if has_held:
+        hidx = np.asarray(held["idx"], dtype=np.int64)
+        hprobs = np.asarray(held["probs"], dtype=np.float64)[:, :phi.shape[0]]
+        hobs = observed[hidx]
+        cal = calibrate(hprobs, hobs, phi)
+        hpost = heldout_posterior(cal.probs(hprobs), hobs, cal.phi(phi))
+        h_obs = hpost[np.arange(len(hidx)), hobs]
+        h_out = hpost[:, k] if hpost.shape[1] > k else np.zeros(len(hidx))
+        held_acc = float(h_obs.mean())
+        held_noise = float((1 - h_obs - h_out).mean())
+        se = math.sqrt(max(held_acc * (1 - held_acc), 0.0) / len(hidx))
+        shift = observed_odds_shift(p_obs, held_acc - 1.96 * se, held_acc + 1.96 * se)
+        source = (f"the training posteriors, held within the 95% interval of the noisy "
+                  f"validation split's estimate {100 * held_acc:.1f}% ({len(hidx)} images "
+                  f"never trained on)")
+    else:
+        held_acc, se, shift = float("nan"), float("nan"), 0.0
+        source = "the training chain's own posteriors (no noisy validation split)"
+    e = math.exp(shift)
+    z = 1 - p_obs + e * p_obs
+    acc_observed = float((e * p_obs / z).mean()) if n_rows else float("nan")
+    noise_rate = float((1 - (e * p_obs + p_out) / z).mean()) if n_rows else float("nan")
+    po, pb, flagged, relabel = decide(p_obs, p_best, p_out, shift=shift, noise_rate=noise_rate)
+    relabel &= suggested >= 0
+    if k_latent == k + 1:  # LCCN*: a sample the outlier class explains best is not relabelled
+        top = cls[np.arange(n_rows), mean.argmax(1)] if n_rows else cls[:, 0]
+        relabel &= top != k
+    gain = float((pb - po)[relabel].sum() / n_rows) if n_rows else 0.0
+    score = np.clip(1.0 - po - (p_out / (1 - p_obs + np.exp(shift) * p_obs)), 0.0, 1.0)
+    mis = Ranking("lccn", rows.astype(np.int64), score, flagged, suggested, relabel)
     out = None
     if k_latent == k + 1:
-        top = cls[np.arange(len(rows)), mean.argmax(1)] if len(rows) else cls[:, 0]
         out = Ranking("lccn", rows.astype(np.int64), p_out, top == k,
-                      np.full(len(rows), -1, dtype=np.int64))
+                      np.full(n_rows, -1, dtype=np.int64))
     report = LabelIssueReport(mis, out, observed, keys, list(class_names),
                               list(acc.get("epochs", [])))
-    hit = cls == mis.suggested[:, None]
-    report.p_suggested = np.where(hit, mean, 0.0).sum(1)
-    report.p_observed = p_obs
+    report.p_suggested, report.p_observed = pb, po
+    report.cleaning = {
+        "estimated_from": source, "calibration": asdict(cal), "observed_shift": shift,
+        "accuracy_observed": acc_observed, "accuracy_observed_se": se,
+        "heldout_accuracy_observed": held_acc,
+        "accuracy_cleaned": acc_observed + gain, "expected_gain": gain,
+        "relabel": int(relabel.sum()), "flagged": int(flagged.sum()),
+        "flag_threshold": noise_rate, "samples": n_rows}
     kept = cls.shape[1]
     if kept < k_latent:
         report.notes.append(f"the accumulator kept each sample's {kept} largest of "
                             f"{k_latent} classes (N x K_latent above {MAX_ENTRIES:,}): the "
                             f"scores are exact, a suggested label's probability a lower "
                             f"bound")
-    lo, hi = (int(count[rows].min()), int(count[rows].max())) if len(rows) else (0, 0)
-    report.notes.append(f"training split: {len(rows)} samples counted in the chain, each "
+    lo, hi = (int(count[rows].min()), int(count[rows].max())) if n_rows else (0, 0)
+    report.notes.append(f"training split: {n_rows} samples counted in the chain, each "
                         f"with {lo if lo == hi else f'{lo} to {hi}'} averaged "
                         f"posterior{'' if hi == 1 else 's'}")
+    if has_held:
+        report.notes.append(
+            f"calibrated on the noisy validation split: temperature {cal.temperature:.3f}, "
+            f"transition shrunk {cal.shrink:+.3f} toward the identity (held-out loss of the "
+            f"observed labels {cal.nll_before:.4f} -> {cal.nll_after:.4f} nats); the "
+            f"training posteriors' log-odds of their observed label moved by {shift:+.3f} "
+            f"so that the accuracy they imply lies in the held-out estimate's 95% interval")
     if clean is None:
         report.notes.append("no clean labels given: precision and recall not computed")
         return report
@@ -421,31 +661,37 @@ def build_report(state: dict, *, clean: np.ndarray | None = None,
         if known.any():
             ev = at_k(ranking, truth, known, ks)
             ev.update(split=split, kind=kind)
+            if kind == "mislabelled" and ranking.relabel is not None:
+                kk = (c >= 0) & (c < k)
+                cleaned = np.where(ranking.relabel, ranking.suggested, obs)
+                ev.update(accuracy_observed=float((obs[kk] == c[kk]).mean()),
+                          accuracy_cleaned=float((cleaned[kk] == c[kk]).mean()),
+                          relabel=int(ranking.relabel.sum()))
             report.evaluation.append(ev)
 
-    evaluate("train", mis, "mislabelled", observed[rows])
+    evaluate("train", mis, "mislabelled", obs_rows)
     if out is not None:
-        evaluate("train", out, "outlier", observed[rows])
-    held = acc.get("heldout")
-    if held is None or len(held["idx"]) == 0:
+        evaluate("train", out, "outlier", obs_rows)
+    if not has_held:
         report.notes.append("no noisy validation split: cleanlab (which needs out-of-sample "
                             "predictions) not compared")
         return report
-    hidx = np.asarray(held["idx"], dtype=np.int64)
-    hprobs = np.asarray(held["probs"], dtype=np.float64)
-
-    phi = transition(torch.as_tensor(chain["counts"]),
-                     torch.as_tensor(acc["alpha"], dtype=torch.float64)).numpy()
-    hobs = observed[hidx]
-    lpost = heldout_posterior(hprobs[:, :phi.shape[0]], hobs, phi)
-    evaluate("validation", rank_mislabelled(lpost, hobs, hidx, num_classes=k),
-             "mislabelled", hobs)
+    v_other = np.where(np.arange(hpost.shape[1])[None, :] == hobs[:, None], -np.inf,
+                       hpost)[:, :k]
+    v_best = v_other.argmax(1)
+    v_pb = hpost[np.arange(len(hidx)), v_best]
+    v_out = hpost[:, k] if hpost.shape[1] > k else np.zeros(len(hidx))
+    vpo, vpb, vflag, vrel = decide(hpost[np.arange(len(hidx)), hobs], v_pb, v_out,
+                                   shift=0.0, noise_rate=held_noise)
+    evaluate("validation", Ranking("lccn", hidx, np.clip(1 - vpo - v_out, 0, 1), vflag,
+                                   v_best, vrel), "mislabelled", hobs)
     evaluate("validation", cleanlab_ranking(hprobs, hobs, hidx, num_classes=k),
              "mislabelled", hobs)
     report.notes.append(
         f"validation split: {len(hidx)} held-out samples (never trained on, never counted "
-        f"in C); cleanlab's find_label_issues and LCCN's Eq. 7 posterior "
-        f"P(k|x) phi[k, observed] both from the final model's out-of-sample probabilities")
+        f"in C); cleanlab's find_label_issues and LCCN's calibrated Eq. 7 posterior "
+        f"P_T(k|x) phi_s[k, observed] both from the final model's out-of-sample "
+        f"probabilities")
     return report
 
 

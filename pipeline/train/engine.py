@@ -83,6 +83,13 @@ from pipeline.train.progress import EpochProgress
 from pipeline.train.session import Session
 
 
+def final_export_path(path: str | Path) -> Path:
+    """Where a run exports its final epoch's classifier beside the selected one at
+    ``path``: ``<name>-final.pt2``."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}-final{path.suffix}")
+
+
 def select_epoch(history: list[dict[str, float]], key: str = "val_top1") -> int:
     """Index of the row with the highest ``key`` (the first on ties): the epoch a
     practitioner would keep, chosen on the noisy validation split. The last row when no
@@ -207,6 +214,9 @@ class Engine:
         self._exported = False  # the torch.export file written (options.export_path)
         self.tracker = None
         self._prepared = False
+        # rank 0: the selected epoch (the best noisy validation accuracy, the first of equals:
+        # select_epoch) and each network's scored weights after it, what the run exports
+        self.selected: dict[str, Any] | None = None
 
     # -- what methods use ----------------------------------------------------------------------
 
@@ -236,23 +246,25 @@ class Engine:
     def score(self, batches: Iterable[Any] | None, member: int = 0, *,
               noisy: bool = False) -> dict[str, float]:
         """top1/top5/nll (the labels of ``batches``; ``noisy``: observed labels, nll through
-        the method's noise model) of a member, over every rank's share."""
+        the method's noise model) and nll_plain (-log P(label | x), no noise model) of a
+        member, over every rank's share."""
         nan = float("nan")
+        keys = ("top1", "top5", "nll", "nll_plain")
         if batches is None:
-            return {"top1": nan, "top5": nan, "nll": nan, "n": 0.0}
+            return {**dict.fromkeys(keys, nan), "n": 0.0}
         model = self.members[member].scorer
         it = iter(batches)
         first = next(it, None)
-        ev = ({"top1": nan, "top5": nan, "nll": nan, "n": 0.0} if first is None else
+        ev = ({**dict.fromkeys(keys, nan), "n": 0.0} if first is None else
               self.method.evaluate(model, itertools.chain([first], it), noisy=noisy))
+        ev.setdefault("nll_plain", ev["nll"] if not noisy else nan)
         if self.session.world_size == 1:
             return ev
         n = ev["n"]
-        vals = torch.tensor([0.0 if n == 0 else ev[k] * n for k in ("top1", "top5", "nll")]
-                            + [n], dtype=torch.float64)
-        t1, t5, nll, n = self.reduce_cpu(vals).tolist()
-        return {"top1": t1 / n if n else nan, "top5": t5 / n if n else nan,
-                "nll": nll / n if n else nan, "n": n}
+        vals = torch.tensor([0.0 if n == 0 else ev[k] * n for k in keys] + [n],
+                            dtype=torch.float64)
+        *sums, n = self.reduce_cpu(vals).tolist()
+        return {**{k: v / n if n else nan for k, v in zip(keys, sums)}, "n": n}
 
     def val_scores(self) -> dict[str, float]:
         """On the noisy validation split, against its observed labels (NaN without one):
@@ -391,6 +403,7 @@ class Engine:
         self.global_step = int(state["global_step"])
         self.run_id = state["mlflow_run_id"]
         self.history = list(state["history"])
+        self.selected = state.get("selected")
         self.method.load_state_dict(state)
         if state.get("data") is not None and hasattr(self.data, "load_state_dict"):
             self.data.load_state_dict(state["data"])
@@ -501,6 +514,9 @@ class Engine:
                          phase=phase)
         val = self.val_scores()
         row["val_top1"], row["val_nll"] = val["top1"], val["nll"]
+        # the classifier's own held-out fit of the observed labels (no noise model): the
+        # held-out counterpart of the training pass's observed_loss
+        row["val_observed_loss"] = val.get("nll_plain", float("nan"))
         test = self.data.test_batches()
         if test is not None:
             ev = self.score(test)
@@ -511,10 +527,26 @@ class Engine:
         row.update(extra)
         row["epoch_time"] = time.perf_counter() - t_epoch
         self.history.append(row)
+        method.scored(epoch, row)
+        self._remember_selected(epoch, row)
         self._moment(epoch + 1, 0, row, row=row, final=epoch + 1 == o.epochs)
         if self.options.on_epoch is not None and session.rank == 0:
             self.options.on_epoch(epoch, row)
         return row
+
+    def _remember_selected(self, epoch: int, row: dict[str, float]) -> None:
+        """Rank 0: keep each network's scored weights (on the CPU) after an epoch whose noisy
+        validation accuracy beats every earlier one's: the epoch :func:`select_epoch` picks,
+        whose classifier the run exports (without a validation split, none is kept and the
+        final weights are exported)."""
+        val = float(row.get("val_top1", float("nan")))
+        if self.session.rank != 0 or not val == val:
+            return
+        if self.selected is not None and not val > self.selected["val_top1"]:
+            return
+        self.selected = {"epoch": epoch, "val_top1": val, "states": [
+            {k: v.detach().to("cpu", copy=True) for k, v in m.averaged.state_dict().items()}
+            for m in self.members]}
 
     def _final_files(self, checkpoint_dir: str | None) -> list[Path]:
         """Rank 0, at the run's last moment: the method's end-of-run files, written into
@@ -566,6 +598,8 @@ class Engine:
                 self._final_files(None)
             session.report(metrics, None)
             self._track(epoch, batch, metrics, chain_state, final=final, checkpoint_dir=None)
+            if final:
+                self._export()
             return
         state = {
             "models": [m.model.state_dict() for m in self.members],
@@ -581,6 +615,7 @@ class Engine:
             "num_samples": self.data.num_samples,
             "data": self.data.state_dict() if hasattr(self.data, "state_dict") else None,
             "data_geometry": self.data.geometry() if hasattr(self.data, "geometry") else None,
+            "selected": self.selected,
         }
         state.update(model=state["models"][0], optimizer=state["optimizers"][0],
                      scheduler=state["schedulers"][0])
@@ -620,12 +655,16 @@ class Engine:
             print(f"note: no exported model at {path}: no test or validation images to "
                   f"trace it with", flush=True)
             return
-        try:
-            export_program(self.predictor(), example, path)
-        except Exception as e:  # noqa: BLE001 - torch.export refuses some models
-            print(f"warning: the classifier could not be exported to {path} "
-                  f"({type(e).__name__}: {str(e)[:300]}); the MLflow model and the "
-                  f"checkpoint have it", flush=True)
+        for which, target in (("selected", Path(path)), ("final", final_export_path(path))):
+            if which == "final" and self.selected is None:
+                continue  # the final weights went to `path`: no validation split
+            try:
+                export_program(self.predictor(which), example, target)
+            except Exception as e:  # noqa: BLE001 - torch.export refuses some models
+                print(f"warning: the classifier could not be exported to {target} "
+                      f"({type(e).__name__}: {str(e)[:300]}); the MLflow model and the "
+                      f"checkpoint have it", flush=True)
+                return
 
     def _track(self, epoch: int, batch: int, metrics: dict[str, float], chain_state: Any, *,
                final: bool, checkpoint_dir: str | None) -> None:
@@ -650,15 +689,28 @@ class Engine:
             if example is not None:
                 self.model_uri = tracker.log_model(self.predictor(), example)
 
-    def predictor(self) -> Predictor:
+    def predictor(self, which: str = "selected") -> Predictor:
         """The trained classifier as one module (:class:`~pipeline.train.export.Predictor`):
         every network's weights (their averages, when kept), images in, the K classes'
-        probabilities out."""
+        probabilities out. ``which``: ``"selected"`` (default), the weights after the epoch
+        with the best noisy validation accuracy (rank 0; the final ones without a
+        validation split), or ``"final"``, the weights the run ended with."""
+        if which not in ("selected", "final"):
+            raise ValueError(f"which must be 'selected' or 'final', got {which!r}")
         nets = [m.averaged for m in self.members]
+        last = len(self.history)
+        said = f"final epoch {last}"
+        if which == "selected" and self.selected is not None:
+            nets = [copy.deepcopy(n) for n in nets]
+            for net, st in zip(nets, self.selected["states"]):
+                net.load_state_dict(st)
+            e = self.selected["epoch"]
+            said = (f"selected epoch {e + 1} of {last} (best noisy validation accuracy "
+                    f"{self.selected['val_top1']:.4f})")
         t = self.options.tracking
         names = t.class_names if t is not None and len(t.class_names) == self.num_classes else ()
         return Predictor(nets, self.num_classes, normalize=self.options.normalize,
-                         preset=self.options.preset, class_names=names)
+                         preset=self.options.preset, class_names=names, weights=said)
 
     def _example_images(self) -> Tensor | None:
         """Two images of the test (else validation) split, on the CPU, as the networks take

@@ -26,11 +26,12 @@ class Predictor(nn.Module):
     ``preset``: the transform preset of the run's images (:mod:`pipeline.data.transforms`;
     None when the run did not read shards), ``class_names``: the K names (empty when
     unknown): what ``lccn-predict`` (:mod:`pipeline.track.predict`) needs to feed the model
-    a user's images and name its classes."""
+    a user's images and name its classes. ``weights`` says which epoch's weights the
+    networks hold (the run's selected epoch by default, :meth:`Engine.predictor`)."""
 
     def __init__(self, nets: Sequence[nn.Module], num_classes: int,
                  normalize: nn.Module | None = None, *, preset: str | None = None,
-                 class_names: Sequence[str] = ()) -> None:
+                 class_names: Sequence[str] = (), weights: str = "") -> None:
         super().__init__()
         self.nets = nn.ModuleList(copy.deepcopy(n).cpu().eval() for n in nets)
         for m in self.nets.modules():  # the training run's hooks (its divergence check) stay
@@ -40,6 +41,9 @@ class Predictor(nn.Module):
         self.num_classes = int(num_classes)
         self.preset = preset
         self.class_names = tuple(str(c) for c in class_names)
+        # which weights these are: "selected epoch 12 (best noisy validation accuracy
+        # 0.6253)" or "final epoch 40" (the run's end); "" when not said
+        self.weights = str(weights)
         if self.class_names and len(self.class_names) != self.num_classes:
             raise ValueError(f"{len(self.class_names)} class names for {self.num_classes} "
                              f"classes")
@@ -60,7 +64,8 @@ def export_program(predictor: Predictor, example: Tensor, path: str | Path) -> P
     """``predictor`` as a ``torch.export`` program file (``.pt2``, any batch size), loadable
     with ``torch.export.load(path).module()`` where torch is installed, without this
     project; beside it ``<name>.json``: the transform preset, the class names, the input
-    (``(C, H, W)``, uint8 or float32). Written under a temporary name, then renamed: never
+    (``(C, H, W)``, uint8 or float32) and which weights the networks hold (``weights``:
+    the selected epoch's or the final's). Written under a temporary name, then renamed: never
     a half-written file. ``example``: a batch as the networks take it."""
     import json
     import os
@@ -75,7 +80,7 @@ def export_program(predictor: Predictor, example: Tensor, path: str | Path) -> P
     meta = {"preset": predictor.preset, "class_names": list(predictor.class_names),
             "num_classes": predictor.num_classes, "input_shape": list(example.shape[1:]),
             "input_dtype": str(example.dtype).removeprefix("torch."),
-            "torch": torch.__version__}
+            "weights": predictor.weights, "torch": torch.__version__}
     meta_path = path.with_suffix(EXPORT_META)
     meta_partial = meta_path.with_name(meta_path.name + ".partial")
     meta_partial.write_text(json.dumps(meta, indent=1))

@@ -359,7 +359,9 @@ def evaluate(model: nn.Module, batches: Iterable[Any], *, num_classes: int,
     sum_k P(k | x) noise[k, label]``, the model's prediction of an *observed* label through
     ``noise (K_latent, K)`` (rows P(observed | latent): a method's noise model; None: the
     identity, ``P(label | x)`` itself). On the noisy validation split (labels = the observed
-    ones) ``nll`` is the held-out likelihood of the noisy labels under the whole model.
+    ones) ``nll`` is the held-out likelihood of the noisy labels under the whole model;
+    ``nll_plain`` is ``-log P(label | x)`` without the noise model (the classifier's own fit
+    of the labels, as CE measures it).
 
     For a K+1-way model (LCCN*) the outlier logit is left out of the ranking.
     """
@@ -368,12 +370,15 @@ def evaluate(model: nn.Module, batches: Iterable[Any], *, num_classes: int,
     full, clean = probs[keep], clean[keep]
     probs = full[:, :num_classes]
     if clean.numel() == 0:
-        return {"top1": float("nan"), "top5": float("nan"), "nll": float("nan"), "n": 0.0}
+        return {"top1": float("nan"), "top5": float("nan"), "nll": float("nan"),
+                "nll_plain": float("nan"), "n": 0.0}
     topk = probs.topk(min(5, num_classes), dim=1).indices
     top1 = (topk[:, 0] == clean).float().mean()
     top5 = (topk == clean.unsqueeze(1)).any(1).float().mean()
-    return {"top1": float(top1), "top5": float(top5), "nll": noisy_nll_of(full, clean, noise),
-            "n": float(clean.numel())}
+    plain = noisy_nll_of(full, clean, None)
+    return {"top1": float(top1), "top5": float(top5),
+            "nll": plain if noise is None else noisy_nll_of(full, clean, noise),
+            "nll_plain": plain, "n": float(clean.numel())}
 
 
 def noisy_nll_sum(probs: Tensor, labels: Tensor, noise: Tensor | None) -> Tensor:

@@ -70,3 +70,22 @@ def finish_epoch(acc: ReportAccumulator, engine: Any, epoch: int,
                                   gather=lambda t: all_gather_rows(engine.session, t))
         if got is not None:
             acc.record_heldout(*got)
+
+
+def record_if_selected(acc: ReportAccumulator, engine: Any, models: Sequence[torch.nn.Module],
+                       row: dict[str, float]) -> None:
+    """Every rank, once an epoch's row is scored: when its noisy validation accuracy beats
+    every earlier epoch's that the accumulator has seen (the first of equals, as the
+    engine's selected epoch), record the ``models``' held-out predictions as the
+    selected classifier's (the same decision on every rank: the row is all-reduced)."""
+    if not acc.enabled or getattr(engine.data, "held_out", None) is None:
+        return
+    val = float(row.get("val_top1", float("nan")))
+    best = acc.selected["val_top1"] if acc.selected is not None else float("-inf")
+    if not val > best:
+        return
+    got = heldout_predictions(models, engine.data.val_batches(), width=engine.k_latent,
+                              device=engine.device,
+                              gather=lambda t: all_gather_rows(engine.session, t))
+    if got is not None:
+        acc.record_selected(*got, epoch=int(row.get("epoch", -1)), val_top1=val)

@@ -83,7 +83,8 @@ def refuse_ignored(method: type["Method"], run: RunConfig) -> None:
         if got != want:
             bad.append(f"{path}={got!r} (default {want!r})")
     if bad:
-        raise ValueError(f"method {method.name} does not read {', '.join(bad)}: leave "
+        why = f" ({method.ignores_why})" if method.ignores_why else ""
+        raise ValueError(f"method {method.name} does not read {', '.join(bad)}{why}: leave "
                          f"{'it' if len(bad) == 1 else 'them'} at the default")
 
 
@@ -98,6 +99,7 @@ class Method:
     # refuses a value other than the default (refuse_ignored), the jobs leave a recipe's
     # value out for it and Tune leaves them out of its space
     ignores: tuple[str, ...] = ()
+    ignores_why = ""  # why, said in refuse_ignored's message
 
     def __init__(self, run: RunConfig, engine: Any) -> None:
         self.run, self.engine = run, engine
@@ -148,6 +150,10 @@ class Method:
 
     def end_pass(self, epoch: int) -> None:
         """After the training pass of ``epoch`` (every rank; collectives allowed)."""
+
+    def scored(self, epoch: int, row: dict[str, float]) -> None:
+        """After epoch ``epoch``'s row is complete (validation and test scored; every rank,
+        the same row; collectives allowed), before its checkpoint."""
 
     def flush(self) -> None:
         pass

@@ -63,7 +63,7 @@ from pipeline.core.posterior import STATE_KEY
 from pipeline.core.warmup import estimate_phi_init, initial_latents
 from pipeline.train.loop import StepInput, Task, noisy_nll_sum, predict
 from pipeline.train.methods.base import Method, refuse_ignored, register
-from pipeline.train.report import accumulator_for, finish_epoch
+from pipeline.train.report import accumulator_for, finish_epoch, record_if_selected
 from pipeline.train.session import all_gather_rows
 
 
@@ -341,6 +341,7 @@ class DivideMix(Method):
         if total == 0:
             return {"top1": float("nan"), "top5": float("nan"), "nll": float("nan"), "n": 0.0}
         return {"top1": hit1 / total, "top5": hit5 / total, "nll": float(nll) / total,
+                "nll_plain": float(nll) / total,
                 "n": float(total)}
 
 
@@ -393,7 +394,12 @@ class DivideLCCN(DivideMix):
     # neither LCCN's target nor its ramp reaches it (annealing does: it tempers the draws)
     ignores = ("lccn.targets", "lccn.ramp_epochs", "lccn.guard_drop", "lccn.guard_patience",
                "lccn.guard_targets", "lccn.guard_prior_strength", "lccn.guard_floor",
-               "lccn.guard_sampler")
+               "lccn.guard_sampler", "lccn.guard_rise", "lccn.teacher")
+    ignores_why = ("its division (a two-component mixture on each sample's loss, every "
+                   "epoch) keeps the samples a network fits without learning them out of "
+                   "the other network's labelled set, and its chains read the networks' "
+                   "co-guessed predictions: LCCN's memorisation guard and teacher do not "
+                   "apply")
 
     def __init__(self, run, engine) -> None:
         super().__init__(run, engine)
@@ -471,6 +477,11 @@ class DivideLCCN(DivideMix):
     def end_pass(self, epoch: int) -> None:
         if self.in_noise_phase(epoch):
             finish_epoch(self.report, self.engine, epoch, [m.scorer for m in self.members])
+
+    def scored(self, epoch: int, row: dict[str, float]) -> None:
+        """The label-issue report keeps the selected epoch's held-out predictions."""
+        if self.in_noise_phase(epoch):
+            record_if_selected(self.report, self.engine, [m.scorer for m in self.members], row)
 
     def _begin_chain_pass(self) -> None:
         self._changed = []

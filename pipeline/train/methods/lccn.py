@@ -21,14 +21,16 @@ from pipeline.core.monitor import (
     chain_health,
     floor_epoch,
     memorisation_epoch,
+    label_entropy,
     noise_floor,
+    overfit_epoch,
 )
 from pipeline.core.posterior import STATE_KEY, PosteriorWindow
 from pipeline.core.warmup import estimate_phi_init, initial_latents
 from pipeline.train.labeler import GibbsLabeler
 from pipeline.train.loop import LabelTask, Task, predict
 from pipeline.train.methods.base import Method, register
-from pipeline.train.report import accumulator_for, finish_epoch
+from pipeline.train.report import accumulator_for, finish_epoch, record_if_selected
 
 OUTLIERS_FILE = "outliers.csv"
 OUTLIER_COLUMNS = ("idx", "key", "observed", "p_outlier", "flag")
@@ -90,9 +92,12 @@ class LCCN(Method):
                                       "weights": None}
         # teacher="best": the best epoch whose copy sampler_model holds (None: the live one)
         self._teacher_epoch: int | None = None
+        self._guard_ranks = 0.0  # the ranks switched (all agree: 0 or the world size)
         self.phi_init: Tensor | None = None
         # H(observed | clean) that phi_init implies (every rank's rows: the guard reads it)
         self.noise_floor: float | None = None
+        # H(observed): the observed labels' entropy (every rank's rows), guard_rise's scale
+        self.label_entropy: float | None = None
         self.lccn_step = 0
         self.labeler: GibbsLabeler | None = None
         self.pretrained_probs: Tensor | None = None
@@ -133,10 +138,12 @@ class LCCN(Method):
         shares = eng.reduce_cpu(torch.bincount(observed.long(),
                                                minlength=self.num_classes).double())
         self.noise_floor = noise_floor(phi_init, shares)
+        self.label_entropy = label_entropy(shares)
         z0 = initial_latents(lc, observed, probs, phi_init)
         eng.chain.start(idx, z0, k_latent=eng.k_latent, trusted=self.trusted, clean=data.clean)
         self.phi_init = phi_init
         self.monitor.start(eng.val_top1(), lr=eng.trained_lr())
+        self._notes()
         return {"init_transition_error": transition_error(phi_init, data.transition)}
 
     def _guard(self, epoch: int) -> None:
@@ -148,16 +155,21 @@ class LCCN(Method):
         switches). The labeler is made again with
         the new prior at the next :meth:`begin_epoch` (its counts: the store's)."""
         lc = self.cfg
-        if (lc.guard_drop <= 0 and not lc.guard_floor) or self.guarded_at is not None:
+        if not self._guarded() or self.guarded_at is not None:
             return
         first, hist = self.run.optim.pretrain_epochs, self.engine.history
         val = (memorisation_epoch(hist, first_epoch=first, drop=lc.guard_drop,
                                   patience=lc.guard_patience) if lc.guard_drop > 0 else None)
         floor = floor_epoch(hist, first_epoch=first) if lc.guard_floor else None
+        rise = (overfit_epoch(hist, first_epoch=first, rise=lc.guard_rise)
+                if lc.guard_rise > 0 else None)
         fired = sorted(
-            ([(val, f"the noisy validation accuracy has been more than {lc.guard_drop:g} "
-                    f"below its best for {lc.guard_patience} epochs (to epoch {val + 1})")]
-             if val is not None else [])
+            ([(rise, f"the held-out loss of the observed labels rose more than "
+                     f"{lc.guard_rise:g} x their entropy above its lowest while the training "
+                     f"loss fell (epoch {rise + 1})")] if rise is not None else [])
+            + ([(val, f"the noisy validation accuracy has been more than {lc.guard_drop:g} "
+                      f"below its best for {lc.guard_patience} epochs (to epoch {val + 1})")]
+               if val is not None else [])
             + ([(floor, f"the classifier's loss on the observed labels fell below the noise "
                         f"floor {self.noise_floor:.3f} (epoch {floor + 1})")]
                if floor is not None else []))
@@ -198,8 +210,12 @@ class LCCN(Method):
         lc = self.cfg
         if lc.teacher == "best":
             return True
-        return ((lc.guard_drop > 0 or lc.guard_floor) and lc.guard_sampler == "frozen"
-                and self.guarded_at is None)
+        return self._guarded() and lc.guard_sampler == "frozen" and self.guarded_at is None
+
+    def _guarded(self) -> bool:
+        """Whether any memorisation guard trigger is on."""
+        lc = self.cfg
+        return lc.guard_drop > 0 or lc.guard_floor or lc.guard_rise > 0
 
     def _remember_best(self) -> None:
         """Keep a copy of the weights (the weight average's when there is one) after each
@@ -216,7 +232,10 @@ class LCCN(Method):
             return
         self._best["seen"] = epoch
         val = float(row.get("val_top1", float("nan")))
-        if val > self._best["val"]:  # False for NaN: no validation split, no copy
+        # the teacher takes the later of equal epochs (a small validation split ties often,
+        # and the later one has learned more); a guard's frozen sampler the earlier
+        later = self.cfg.teacher == "best" and val == self._best["val"]
+        if val > self._best["val"] or later:  # False for NaN: no validation split, no copy
             self._best.update(val=val, epoch=epoch, weights={
                 k: v.detach().clone() for k, v in self.members[0].averaged.state_dict().items()})
 
@@ -242,6 +261,7 @@ class LCCN(Method):
         self._remember_best()
         self._guard(epoch)
         self._select_teacher()
+        self._check_ranks_agree(epoch)
         if self.labeler is None:
             o = self.run.optim
             self.labeler = self.engine.chain.labeler(
@@ -254,6 +274,42 @@ class LCCN(Method):
                 self.report.alpha = self.labeler.alpha.cpu().tolist()
         if hasattr(self.labeler, "max_staleness"):
             self.labeler.max_staleness = 0
+
+    def _check_ranks_agree(self, epoch: int) -> None:
+        """Every rank decides the switch and the teacher from the same all-reduced epoch
+        rows; one all-reduce per epoch checks it (ranks that disagreed would train on
+        different targets from different networks). Records ``guard_ranks``, the ranks
+        switched."""
+        eng = self.engine
+        mine = torch.tensor([float(self.guarded_at is not None),
+                             float(-1 if self._teacher_epoch is None else self._teacher_epoch)],
+                            dtype=torch.float64)
+        total = eng.reduce_cpu(mine.clone()) if eng.session.world_size > 1 else mine
+        self._guard_ranks = float(total[0])
+        if not torch.equal(total, mine * eng.session.world_size):
+            raise RuntimeError(
+                f"epoch {epoch + 1}: the ranks disagree on the memorisation switch or the "
+                f"teacher (this rank: switched {bool(mine[0])}, teacher epoch "
+                f"{int(mine[1])}; summed over {eng.session.world_size} ranks: "
+                f"{total.tolist()}): their epoch rows differ")
+
+    def _notes(self) -> None:
+        """Rank 0, at the noise phase's start: what the guard and the teacher can see."""
+        if self.engine.session.rank != 0:
+            return
+        o, lc = self.run.optim, self.cfg
+        if getattr(self.engine.data, "held_out", None) is None:
+            if lc.teacher == "best" or lc.guard_rise > 0 or lc.guard_drop > 0:
+                print("[lccn] no noisy validation split (val_fraction 0): Eq. 7 reads the "
+                      "network being trained and the memorisation guard cannot fire",
+                      flush=True)
+            return
+        if (lc.guard_rise > 0 or lc.guard_drop > 0) and not any(
+                m > o.pretrain_epochs for m in o.milestones) and not self.engine.options.lr_values:
+            print(f"[lccn] the learning rate never falls after the noise phase's start "
+                  f"(epoch {o.pretrain_epochs + 1}; milestones {list(o.milestones)}): the "
+                  f"memorisation guard watches only epochs at a lower rate, so it will not "
+                  f"fire in this run", flush=True)
 
     def _active(self, epoch: int) -> GibbsLabeler | None:
         return self.labeler if self.in_noise_phase(epoch) else None
@@ -286,6 +342,11 @@ class LCCN(Method):
                 self.outlier_mean.end_epoch(epoch, self.engine.reduce_cpu)
             finish_epoch(self.report, self.engine, epoch, [self.members[0].scorer])
 
+    def scored(self, epoch: int, row: dict[str, float]) -> None:
+        """The label-issue report keeps the selected epoch's held-out predictions."""
+        if self.report is not None and self.in_noise_phase(epoch):
+            record_if_selected(self.report, self.engine, [self.members[0].scorer], row)
+
     def flush(self) -> None:
         if self.labeler is not None:
             self.labeler.flush()
@@ -306,12 +367,15 @@ class LCCN(Method):
         return {"staleness_max": float(getattr(self.labeler, "max_staleness", 0))
                 if self.labeler is not None else 0.0,
                 "guarded": float(self.guarded_at is not None),
+                "guard_ranks": self._guard_ranks,
                 # the epoch whose copy Eq. 7 read this epoch (teacher="best" or a guard's
                 # frozen sampler), -1: the network being trained
                 "teacher_epoch": float(-1 if self.sampler_model is None else
                                        self._teacher_epoch if self._teacher_epoch is not None
                                        else -2),
-                "noise_floor": float("nan") if self.noise_floor is None else self.noise_floor}
+                "noise_floor": float("nan") if self.noise_floor is None else self.noise_floor,
+                "label_entropy": (float("nan") if self.label_entropy is None
+                                  else self.label_entropy)}
 
     def observe_chain(self, state: dict | None, *, epoch: int,
                       row: dict[str, float] | None) -> dict[str, float]:
@@ -362,7 +426,7 @@ class LCCN(Method):
         sampler = (None if self.cfg.teacher == "best" else self.sampler_bare.state_dict()
                    if self.sampler_bare is not None else self._saved_sampler)
         return {"lccn_step": self.lccn_step, "phi_init": self.phi_init,
-                "noise_floor": self.noise_floor,
+                "noise_floor": self.noise_floor, "label_entropy": self.label_entropy,
                 "guard_sampler": None if sampler is None else {
                     k: v.detach().cpu() for k, v in sampler.items()},   # never trained
                 "guard_best": {**self._best, "weights": None if self._best["weights"] is None
@@ -376,6 +440,7 @@ class LCCN(Method):
         self.lccn_step = int(state.get("lccn_step", 0))
         self.phi_init = state.get("phi_init")
         self.noise_floor = state.get("noise_floor")
+        self.label_entropy = state.get("label_entropy")
         # the frozen sampler comes back when the guard fires again from the epoch rows
         self._saved_sampler = state.get("guard_sampler")
         best = state.get("guard_best")

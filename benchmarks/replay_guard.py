@@ -1,0 +1,108 @@
+"""Replay the memorisation guard's trigger (``LCCNConfig.guard_rise``,
+:func:`pipeline.core.monitor.overfit_epoch`) over recorded CE runs: the epoch it would
+fire at, beside the run's noisy-validation peak, its test peak and its drop.
+
+A CE run's epoch rows carry what the trigger reads: ``val_nll`` (CE has no noise model, so
+it is the held-out loss of the observed labels, the rows' ``val_observed_loss`` today),
+``loss`` (the training pass's loss of the observed labels, ``observed_loss``) and ``lr``.
+The scale ``H(observed)`` is the entropy of the observed labels' class shares: from the
+result's realised transition where it records one (``bench_cifar.py``: the training
+subset is class-balanced, so the shares are the transition's mean row), else ``log K``.
+The noise phase starts at the run's ``--pretrain-epochs`` (8 when its command line does
+not say). Usage::
+
+    python benchmarks/replay_guard.py benchmarks/results/cifar-real/*-ce.json \\
+        benchmarks/results/cifar-mem-methods/*-ce.json --rise 0.005 0.01 0.02
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+
+from pipeline.core.monitor import overfit_epoch
+
+
+def ce_history(result: dict) -> list[dict] | None:
+    """The CE run's epoch rows of a ``bench_cifar.py`` or ``bench_cifar_methods.py`` result
+    (None when it holds no CE run)."""
+    if isinstance(result.get("methods"), dict):
+        entry = result["methods"].get("ce")
+        return None if entry is None else entry["history"]
+    return result["history"] if result.get("method") == "ce" else None
+
+
+def label_entropy(result: dict, num_classes: int = 10) -> float:
+    """H(observed) in nats: from the realised transition (class-balanced subset), else
+    ``log K``."""
+    t = result.get("true_transition")
+    if t is None:
+        return math.log(num_classes)
+    shares = np.asarray(t, dtype=np.float64).mean(0)
+    shares = shares[shares > 0]
+    return float(-(shares * np.log(shares)).sum())
+
+
+def replay(result: dict, rise: float) -> dict:
+    """Where the trigger fires (1-based epoch at whose end, None: never), the largest rise
+    of the held-out loss above its lowest watched value, in units of H(observed), over the
+    watched epochs whose training loss is below that lowest epoch's, and the run's peaks."""
+    hist = ce_history(result)
+    argv = " ".join(result.get("argv") or [])
+    m = re.search(r"--pretrain-epochs[ =](\d+)", argv)
+    first = int(m.group(1)) if m else 8
+    h = label_entropy(result)
+    rows = [dict(r, val_observed_loss=r.get("val_observed_loss", r.get("val_nll", math.nan)),
+                 observed_loss=r.get("observed_loss", r["loss"]), label_entropy=h)
+            for r in hist]
+    at = overfit_epoch(rows, first_epoch=first, rise=rise)
+    lr0, low, largest = None, None, 0.0
+    for r in rows[first:]:
+        if lr0 is None:
+            lr0 = r["lr"]
+        if not r["lr"] < lr0 * (1 - 1e-6) or r["val_observed_loss"] != r["val_observed_loss"]:
+            continue
+        if low is not None and r["observed_loss"] < low[1]:
+            largest = max(largest, (r["val_observed_loss"] - low[0]) / h)
+        if low is None or r["val_observed_loss"] < low[0]:
+            low = (r["val_observed_loss"], r["observed_loss"])
+    val = [r["val_top1"] for r in hist]
+    test = [r["test_top1"] for r in hist]
+    pv = max(range(len(val)), key=lambda e: (val[e], -e))
+    pt = max(range(len(test)), key=lambda e: (test[e], -e))
+    return {"fires": None if at is None else at + 1, "max_rise": largest, "entropy": h,
+            "val_peak": pv + 1, "test_peak": pt + 1, "drop": test[pt] - test[-1],
+            "epochs": len(hist), "first": first}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("files", nargs="+", type=Path)
+    p.add_argument("--rise", type=float, nargs="+", default=[0.01],
+                   help="guard_rise values to replay (the library's default: 0.01)")
+    args = p.parse_args(argv)
+    head = " | ".join(f"fires at {r:g}" for r in args.rise)
+    print(f"| run | setting | seed | epochs (CE first) | noisy-val peak | test peak (drop) | "
+          f"max rise / H(ỹ) | {head} |")
+    print("|---|---|---|---|---|---|---|" + "---|" * len(args.rise))
+    for f in args.files:
+        result = json.loads(f.read_text())
+        if ce_history(result) is None:
+            continue
+        g = [replay(result, r) for r in args.rise]
+        if g[0]["epochs"] <= g[0]["first"] or math.isnan(
+                ce_history(result)[-1].get("val_nll", math.nan)):
+            continue  # no validation loss recorded: nothing to replay
+        fires = " | ".join(str(x["fires"] or "never") for x in g)
+        print(f"| {f.name} | {result['setting']} | {result['seed']} | {g[0]['epochs']} "
+              f"({g[0]['first']}) | {g[0]['val_peak']} | {g[0]['test_peak']} "
+              f"({100 * g[0]['drop']:.2f}) | {g[0]['max_rise']:.4f} | {fires} |")
+
+
+if __name__ == "__main__":
+    main()
