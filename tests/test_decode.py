@@ -412,3 +412,32 @@ def test_device_decode_imports_without_webdataset_or_ray(tmp_path, cifar_images)
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "decoded" in out.stdout
+
+
+def test_a_run_reads_every_split_through_the_device_decoder(tmp_path, cifar_images):
+    """The training source of a distributed run with decode="device" hands the worker's
+    device to every pass: training, test, and the noisy validation split decoded from the
+    bytes the training pass kept."""
+    from pipeline.data.manifest import Manifest
+    from pipeline.train.shard_source import ShardSource
+
+    split = _split(tmp_path / "s", [d for d, _ in cifar_images], [10, 10])
+    m = Manifest.load(split)
+    m = Manifest(m.dataset, m.split, m.classes,
+                 [replace(s, first_idx=10 * i) for i, s in enumerate(m.shards)])
+    m.save(split)
+    view = shifted_view(20, cifar_images)
+    held = np.zeros(20, bool)
+    held[[1, 12]] = True
+    src = ShardSource(train_source=str(split), test_source=str(split), view=view,
+                      loader_cfg=replace(DEV, batch_size=4), rank=0, world_size=1,
+                      held_out=held, device="cpu")
+    train = list(src.train_batches(0))
+    assert sorted(valid_idx(train).tolist()) == [i for i in range(20) if not held[i]]
+    assert src.train_batches(0).loader.decode_device == torch.device("cpu")
+    val = list(src.val_batches())
+    assert sorted(int(i) for b in val for i in b.idx) == [1, 12]
+    test = list(src.test_batches())
+    assert sum(int(b.valid.sum()) for b in test) == 20
+    for b in (*train, *val, *test):
+        assert b.images.shape[1:] == (3, 32, 32) and b.images.dtype == torch.float32

@@ -363,6 +363,23 @@ class BatchAugment:
 # -- decoding -------------------------------------------------------------------------------------
 
 
+def _tensor(data: Any) -> torch.Tensor:
+    """1-D uint8 CPU tensor of a payload's bytes."""
+    if isinstance(data, torch.Tensor):
+        return data
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def _bytes(data: Any) -> bytes:
+    return data.numpy().tobytes() if isinstance(data, torch.Tensor) else bytes(data)
+
+
+def _reason(e: BaseException) -> str:
+    """An exception's last line, cut short (decoders may quote the whole file)."""
+    lines = str(e).strip().splitlines() or [type(e).__name__]
+    return lines[-1][:160]
+
+
 class DeviceDecoder:
     """Decode a batch of payloads on ``device`` and augment it (``views`` times, each
     view's parameters drawn after the previous one's from the same generator).
@@ -390,16 +407,16 @@ class DeviceDecoder:
                                else ""), *args)
 
     def _pixels(self, p: Payload) -> torch.Tensor:
-        x = p.data.view(p.height, p.width, -1).permute(2, 0, 1)
+        x = _tensor(p.data).view(p.height, p.width, -1).permute(2, 0, 1)
         return x.to(self.device, non_blocking=False)
 
     def _cpu_fallback(self, p: Payload, counts: Counter[str], err: str) -> torch.Tensor | None:
         try:
-            img = to_tensor(decode(p.data.numpy().tobytes(), self.preset.mode))
+            img = to_tensor(decode(_bytes(p.data), self.preset.mode))
         except Exception as e:  # noqa: BLE001 -- PIL's many errors: the file is bad
             counts["skipped_decode"] += 1
             self._note("skipped_decode", "%s: does not decode on the device (%s) nor with PIL "
-                       "(%s); skipped", p.name or "a sample", err, e)
+                       "(%s); skipped", p.name or "a sample", err, _reason(e))
             return None
         counts["decode_fallback"] += 1
         self._note("decode_fallback", "%s: the device decoder refused it (%s); decoded on the "
@@ -415,17 +432,17 @@ class DeviceDecoder:
                 out[i] = self._pixels(p)
         if jpegs:
             try:
-                decoded = decode_jpeg([payloads[i].data for i in jpegs], gray=self.gray,
-                                      device=self.device)
+                decoded = decode_jpeg([_tensor(payloads[i].data) for i in jpegs],
+                                      gray=self.gray, device=self.device)
                 for i, x in zip(jpegs, decoded):
                     out[i] = x
             except RuntimeError:  # one file or more refused: find them
                 for i in jpegs:
                     try:
-                        out[i] = decode_jpeg([payloads[i].data], gray=self.gray,
+                        out[i] = decode_jpeg([_tensor(payloads[i].data)], gray=self.gray,
                                              device=self.device)[0]
                     except RuntimeError as e:
-                        out[i] = self._cpu_fallback(payloads[i], counts, str(e).splitlines()[-1])
+                        out[i] = self._cpu_fallback(payloads[i], counts, _reason(e))
         for i, x in enumerate(out):
             if x is not None and x.shape[0] != self.channels:
                 out[i] = x[:1] if self.channels == 1 else x.expand(self.channels, -1, -1)
