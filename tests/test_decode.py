@@ -441,3 +441,42 @@ def test_a_run_reads_every_split_through_the_device_decoder(tmp_path, cifar_imag
     assert sum(int(b.valid.sum()) for b in test) == 20
     for b in (*train, *val, *test):
         assert b.images.shape[1:] == (3, 32, 32) and b.images.dtype == torch.float32
+
+
+# -- pillow-simd ---------------------------------------------------------------------------------
+
+
+def test_pil_build_names_the_pil_this_interpreter_imports():
+    import PIL
+
+    from pipeline.data.pil_build import main, pil_build
+
+    b = pil_build()
+    assert b["version"] == PIL.__version__ and b["libjpeg"].startswith("libjpeg")
+    assert b["simd"] == (b["distribution"] == "pillow-simd")
+    assert main([]) == 0 and main(["--require-simd"]) == (0 if b["simd"] else 1)
+
+
+def test_pillow_simd_setup_keeps_pillow_with_one_line_when_the_build_fails(tmp_path):
+    """scripts/pillow_simd.sh in a fresh environment whose compiler fails: Pillow is put
+    back, one line says why, and the check reports the build the environment has."""
+    import os
+
+    if not (ROOT / "scripts" / "pillow_simd.sh").is_file():
+        pytest.fail("scripts/pillow_simd.sh is missing")
+    env_dir = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(env_dir)], check=True, timeout=300)
+    py = env_dir / "bin" / "python"
+    import PIL
+
+    subprocess.run([str(py), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                    f"pillow=={PIL.__version__}"], check=True, timeout=600,
+                   capture_output=True)
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "pillow_simd.sh"), str(py)],
+                         capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "CC": "false", "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    said = [line for line in out.stderr.splitlines() if line.startswith("pillow_simd:")]
+    assert len(said) == 1 and "did not build" in said[0] and PIL.__version__ in said[0]
+    assert out.stdout.strip().splitlines()[-1].startswith(
+        f"PIL: pillow {PIL.__version__} (not the SIMD build, libjpeg")
