@@ -190,12 +190,27 @@ class _HorizontalFlip(_Op):
 
 
 class _ColorJitter(_Op):
+    """ImageEnhance's blends as v2's PIL kernels make them; brightness blends with a black
+    image of the size kept from the previous call (``ImageEnhance.Brightness`` makes a new
+    one each time: the same pixels, one allocation and fill less)."""
+
+    def __init__(self, t: Any) -> None:
+        super().__init__(t)
+        self._black: Image.Image | None = None
+
+    def _brightness(self, pil: Image.Image, factor: float) -> Image.Image:
+        if "A" in pil.getbands():
+            return ImageEnhance.Brightness(pil).enhance(factor)
+        if self._black is None or (self._black.mode, self._black.size) != (pil.mode, pil.size):
+            self._black = Image.new(pil.mode, pil.size, 0)
+        return Image.blend(self._black, pil, factor)
+
     def __call__(self, img: Any) -> Any:
         p = self.t.make_params([img])
         pil = to_pil(img)
         for fn in p["fn_idx"].tolist():
             if fn == 0 and p["brightness_factor"] is not None:
-                pil = ImageEnhance.Brightness(pil).enhance(p["brightness_factor"])
+                pil = self._brightness(pil, p["brightness_factor"])
             elif fn == 1 and p["contrast_factor"] is not None:
                 pil = ImageEnhance.Contrast(pil).enhance(p["contrast_factor"])
             elif fn == 2 and p["saturation_factor"] is not None:
