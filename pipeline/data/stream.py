@@ -26,23 +26,34 @@ Stages of one epoch (what each yields)::
                          a clean end of archive)
     shuffle buffer       same, drawn from a buffer of ``cfg.shuffle_buffer`` raw samples
                          (bytes, so it is cheap to hold; 0 = off)
-    decode               {"idx", "image": PIL image in the preset's mode}; undecodable
-                         images -> ``skipped_decode``, missing/invalid json or key -> ``skipped_meta``
-    label view           + "observed", "clean" looked up by idx (from the shard's json when
-                         no view is given)
+    check                {"idx", "bytes", "meta", "name"}: missing/invalid json or key ->
+                         ``skipped_meta``; ``drop[idx]`` -> left out (``dropped``)
+    -- decode="cpu" --
+    decode               + "image": the pixels PIL gives in the preset's mode (a uint8 tensor
+                         from libjpeg-turbo, or a PIL image; ``pipeline.data.jpeg``);
+                         undecodable images -> ``skipped_decode``
     open-set noise       image replaced by ``ood_transform(pixels, idx=, seed=)`` where
                          ``label_view.ood[idx]``
-    augment              "image": uint8 (C, H, W) (the ``pipeline.data.transforms`` preset's
-                         augmentation / eval geometry, on the PIL image)
+    augment              "image": uint8 (C, H, W) (the preset's augmentation / eval geometry,
+                         ``pipeline.data.sample_transform``: v2's draws and PIL's pixels)
     chunk                dict of stacked tensors: images (c, C, H, W) uint8, labels (c, 3) int64
-                         (columns idx, observed, clean), and "stats": counter increments since
-                         the previous chunk
+                         (columns idx, observed, clean: looked up by idx for the whole chunk,
+                         from the shard's json when no view is given), and "stats": counter
+                         increments since the previous chunk
+    -- decode="device" --
+    payload              + "payload": the JPEG's bytes, or pixels decoded here for a file the
+                         device decoder does not take (``decode_fallback``) and for open-set
+                         samples (shuffled as above)
+    chunk                packed payloads (one uint8 buffer, spans, kinds), labels, "stats"
     -- in the training process -----------------------------------------------------------
     re-batch             ``Batch`` of the planned sizes: the rank's n_r samples cut into S
                          batches, batch i ending at round((i+1) * n_r / S); duplicates of an
                          idx already seen this epoch are dropped (``skipped_duplicate``);
                          samples that never came (skipped) are made up with repeats of
                          already-yielded samples flagged ``valid=False`` (``padded``)
+    device decode        decode="device": the batch's JPEGs decoded on the loader's device
+                         and augmented there as a batch (``pipeline.data.device_decode``);
+                         a file the decoder refuses -> PIL (``decode_fallback``)
     normalise            images -> float32 (B, C, H, W) by the preset's batch normalisation
 
 Splitting is explicit, not ``wds.WebDataset``'s: the rank and world size are arguments (no
@@ -64,14 +75,16 @@ Randomness: shard order from ``numpy.random.default_rng([seed, epoch])``; the sh
 and the augmentations from a seed per (seed, epoch, rank, worker). Augmentations draw from
 torch's default CPU generator inside ``torch.random.fork_rng`` with that slot's state, so
 the caller's global RNG is untouched and a run is reproducible for a fixed
-(seed, epoch, world_size, num_workers).
+(seed, epoch, world_size, num_workers). With decode="device" the augmentation of batch b
+draws from a ``torch.Generator`` seeded by (seed, epoch, rank, b) instead.
 
 Data position (for checkpoints): ``loader.position`` = {"epoch", "batch"} where ``batch`` is
 the number of batches handed out so far this epoch (counting skipped ``start_batch``). To
 resume, build the loader of the same epoch with ``start_batch=position["batch"]``: the
 stream is deterministic, so the remaining batches are exactly those the interrupted run
 would have produced. The cost: the skipped batches are still read, decoded and augmented
-(by the loader workers, no model step), i.e. up to one epoch of loader time.
+(by the loader workers, no model step), i.e. up to one epoch of loader time; with
+decode="device" they are only read (their crops do not depend on them).
 
 Sources: a local split directory, or a base URL ``http(s)://host/path/<split>`` (manifest at
 ``<base>/manifest.json`` read with urllib, shards streamed with urllib) or ``s3://bucket/...``
