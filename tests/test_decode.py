@@ -28,7 +28,6 @@ from test_data import (  # noqa: F401 (fixture)
     save_manifest,
     shifted_view,
     valid_idx,
-    write_split,
 )
 
 from pipeline.data.device_decode import (

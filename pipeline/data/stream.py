@@ -101,7 +101,6 @@ is counted in ``checksum_mismatch``; the samples are already used by then).
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 import math
