@@ -996,6 +996,8 @@ def resolve_decode(cfg: LoaderConfig, device: torch.device | str | None) -> torc
     device = torch.device(device)
     if cfg.decode == "auto" and device.type != "cuda":
         return None
+    if device.type == "cuda" and device.index is None:  # "cuda": the current one, by index
+        device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 
