@@ -326,9 +326,13 @@ def test_device_decode_resumes_exactly(tmp_path, cifar_images):
 
 
 def test_files_the_device_decoder_cannot_take_fall_back_and_are_counted(tmp_path, cifar_images,
-                                                                         caplog):
+                                                                         caplog, monkeypatch):
     """A PNG and a CMYK JPEG are decoded on the CPU by the worker (counted, named in the
-    log); a corrupt JPEG is skipped as on the CPU path; every other sample arrives."""
+    log: the first few of a process); a corrupt JPEG is skipped as on the CPU path; every
+    other sample arrives."""
+    from pipeline.data import stream
+
+    monkeypatch.setattr(stream, "_FALLBACKS_LOGGED", [0])
     jpgs = [d for d, _ in cifar_images]
     cmyk = encode(Image.open(io.BytesIO(jpgs[7])).convert("CMYK"))
     png = encode(Image.open(io.BytesIO(jpgs[3])), "PNG")
@@ -342,6 +346,16 @@ def test_files_the_device_decoder_cannot_take_fall_back_and_are_counted(tmp_path
     assert "00000003 (idx 3) is not a JPEG the device decoder takes (not a JPEG)" in caplog.text
     assert "(idx 7) is not a JPEG the device decoder takes (SOF 0xC0, 8-bit, 4 components)" \
         in caplog.text
+    # a second pass counts them again but names no more files
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pipeline.data.stream"):
+        for _ in range(2):
+            again = make_train_loader(split, None, DEV, rank=0, world_size=1, epoch=1,
+                                      device="cpu")
+            list(again)
+    assert again.stats["decode_fallback"] == 2
+    assert caplog.text.count("is not a JPEG the device decoder takes") == 3  # 5 in all
+    assert "further ones counted in data_decode_fallback" in caplog.text
     # the fallback's pixels are PIL's: evaluation equals the CPU path's exactly
     ev = {int(i): x for b in make_eval_loader(split, None, DEV, device="cpu")
           for i, x, v in zip(b.idx, b.images, b.valid) if v}

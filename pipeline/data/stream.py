@@ -762,6 +762,10 @@ def _decode(samples: Iterator[dict], *, mode: str, state: _SlotState,
         yield s
 
 
+MAX_FALLBACKS_LOGGED = 5
+_FALLBACKS_LOGGED = [0]  # fallbacks logged by this process (a PNG dataset falls back every epoch)
+
+
 def _payloads(samples: Iterator[dict], *, mode: str, state: _SlotState,
               ood: np.ndarray | None, ood_fn: OodTransform | None,
               ood_seed: int | None) -> Iterator[dict]:
@@ -786,10 +790,15 @@ def _payloads(samples: Iterator[dict], *, mode: str, state: _SlotState,
         if is_ood:
             px = _ood_pixels(px, fn=ood_fn, idx=idx, seed=ood_seed)
         else:
-            state.skip("decode_fallback", "%s (idx %d) is not a JPEG the device decoder takes "
-                       "(%s); decoded on the CPU", name, idx,
-                       "not a JPEG" if h is None else f"SOF 0x{h.sof:02X}, {h.precision}-bit, "
-                       f"{h.components} components" + ("" if h.complete else ", no end marker"))
+            state.stats["decode_fallback"] += 1
+            _FALLBACKS_LOGGED[0] += 1  # every file counted; the first few named, per process
+            if _FALLBACKS_LOGGED[0] <= MAX_FALLBACKS_LOGGED:
+                log.warning("%s (idx %d) is not a JPEG the device decoder takes (%s); decoded "
+                            "on the CPU%s", name, idx,
+                            "not a JPEG" if h is None else f"SOF 0x{h.sof:02X}, {h.precision}-bit, "
+                            f"{h.components} components" + ("" if h.complete else ", no end marker"),
+                            " (further ones counted in data_decode_fallback, not logged)"
+                            if _FALLBACKS_LOGGED[0] == MAX_FALLBACKS_LOGGED else "")
         px = np.ascontiguousarray(px)
         s["payload"] = Payload(PIXELS, px.tobytes(), px.shape[0], px.shape[1], name)
         yield s
