@@ -14,6 +14,13 @@ autocast, channels-last, cuDNN autotuning, in-memory data and augmentation on th
 3. Peak GPU memory of each part. ``--compile`` adds a ``torch.compile`` timing of (1).
 4. One CE epoch of (1) under float16 autocast with a ``GradScaler`` (``--amp fp16``, the
    path of GPUs without bf16): its loss and accuracy beside the bf16 epoch, its time.
+5. Decode on the device (``LoaderConfig.decode="device"``): ResNet-50 from the same JPEG
+   shards with the JPEGs decoded by nvJPEG and augmented on the GPU, at most 4 loader
+   workers (``--decode-workers``), against this pipeline's synthetic in-GPU-memory rate
+   (target: >= 0.9x on one H200), beside ``decode="cpu"`` with as many workers; the CPU
+   seconds the training process and its workers spent per 1,000 images (loader cores per
+   GPU). ``--decode-check`` runs only this part (and the synthetic rate it is measured
+   against): the measurement for a short device session.
    SyncBatchNorm (``--sync-bn``) is not exercised here: it synchronises across processes,
    one per GPU, and NCCL refuses two ranks on one device; the CPU tests cover its
    conversion.
@@ -23,6 +30,8 @@ part) webdataset + braceexpand (pure Python; ``benchmarks/gpu_check.sh`` install
 from ``.whl/`` when present). Exits with status 2 and one line when something is missing.
 
     bash benchmarks/gpu_check.sh [--cifar PATH/cifar10-jpeg.tar.gz] [--out FILE.md]
+    bash benchmarks/gpu_check.sh --decode-check --out benchmarks/results/gpu-decode.md \
+        --json benchmarks/results/gpu-decode.json
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import importlib
 import json
 import os
 import platform
+import resource
 import sys
 import tempfile
 import time
@@ -254,7 +264,15 @@ def write_jpeg_shards(out: Path, n: int, cifar: Path | None) -> Path:
     return out / "train"
 
 
-def resnet50_shards(split: Path, workers: int, batch: int, perf, device: str) -> dict:
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and its reaped children (the loader workers)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def resnet50_shards(split: Path, workers: int, batch: int, perf, device: str,
+                    decode: str = "cpu") -> dict:
     import torch
 
     from pipeline.data.stream import LoaderConfig, make_train_loader
@@ -270,20 +288,65 @@ def resnet50_shards(split: Path, workers: int, batch: int, perf, device: str) ->
                           fused=device == "cuda" or None)
     cfg = LoaderConfig(batch_size=batch, num_workers=workers, preset="clothing1m",
                        pin_memory=device == "cuda", normalize_on="device", shuffle_buffer=256,
-                       verify_checksums=False)
+                       verify_checksums=False, decode=decode)
     stamps: list[float] = []
 
     def tick() -> None:
         stamps.append(time.perf_counter())
 
-    loader = make_train_loader(split, None, cfg, rank=0, world_size=1, epoch=0)
+    loader = make_train_loader(split, None, cfg, rank=0, world_size=1, epoch=0, device=device)
+    c0 = _cpu_seconds()
+    t0 = time.perf_counter()
     train_one_epoch(fwd, loader, opt, device=device, after_step=tick)
     _sync(device)
     stamps.append(time.perf_counter())
+    cpu, wall = _cpu_seconds() - c0, stamps[-1] - t0
     skip = 3  # loader start-up and cuDNN autotuning
     timed = len(stamps) - 1 - skip
     rate = batch * timed / (stamps[-1] - stamps[skip]) if timed > 0 else float("nan")
-    return {"workers": workers, "images_per_s": rate, "steps": len(stamps) - 1}
+    n = batch * (len(stamps) - 1)
+    return {"workers": workers, "decode": decode, "images_per_s": rate,
+            "steps": len(stamps) - 1, "cpu_s_per_1000": 1000 * cpu / max(n, 1),
+            "cores_busy": cpu / wall if wall > 0 else float("nan"),
+            "decode_fallback": int(loader.stats.get("decode_fallback", 0)),
+            "skipped_decode": int(loader.stats.get("skipped_decode", 0))}
+
+
+def decode_part(res: dict, args, split: Path, batch: int, perf, dev: str) -> None:
+    """Part 5: decode="device" (and "cpu" beside it) from the shards, against the
+    synthetic rate of this pipeline (``res["resnet50_synthetic"]``)."""
+    rows = []
+    synth = res["resnet50_synthetic"]["ours_images_per_s"]
+    runs = [("device", w) for w in args.decode_workers] + [("cpu", max(args.decode_workers))]
+    for decode, w in runs:
+        r = resnet50_shards(split, w, batch, perf, dev, decode=decode)
+        r["ratio_to_synthetic"] = r["images_per_s"] / synth
+        rows.append(r)
+        log(f"[5] ResNet-50 from JPEG shards, decode={decode}, {w} loader workers: "
+            f"{r['images_per_s']:.0f} img/s (x{r['ratio_to_synthetic']:.3f} synthetic), "
+            f"{r['cpu_s_per_1000']:.2f} CPU-s per 1000 images, {r['cores_busy']:.1f} cores "
+            f"busy, fallbacks {r['decode_fallback']}")
+        res["resnet50_decode"] = rows
+        _save(res, args)
+
+
+def synthetic_rate(res: dict, args, batch: int, steps: int, perf, dev: str) -> None:
+    import torch
+
+    g = torch.Generator(device=dev).manual_seed(0)
+    images = torch.randn(batch * steps, 3, 224, 224, device=dev, generator=g)
+    labels = torch.randint(0, 1000, (batch * steps,), device=dev, generator=g)
+    plain, mem_plain = resnet50_plain(images, labels, steps, batch, dev)
+    ours, mem_ours = resnet50_ours(images, labels.cpu(), steps, batch, perf, dev)
+    res["resnet50_synthetic"] = {"plain_images_per_s": plain, "ours_images_per_s": ours,
+                                 "ratio": ours / plain, "plain_peak_mem_gib": mem_plain,
+                                 "ours_peak_mem_gib": mem_ours, "batch": batch, "steps": steps}
+    log(f"[2] ResNet-50 224px synthetic: plain loop {plain:.0f} img/s, this pipeline "
+        f"{ours:.0f} img/s (x{ours / plain:.3f})")
+    del images, labels
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+    _save(res, args)
 
 
 # -- main -------------------------------------------------------------------------------------
@@ -300,6 +363,12 @@ def main() -> None:
     p.add_argument("--shard-images", type=int, default=6144)
     p.add_argument("--workers", type=int, nargs="+", default=[4, 8, 14])
     p.add_argument("--no-shards", action="store_true")
+    p.add_argument("--decode-workers", type=int, nargs="+", default=[2, 4],
+                   help="part 5: loader workers for decode='device' (the largest also for "
+                        "decode='cpu' beside it)")
+    p.add_argument("--decode-check", action="store_true",
+                   help="run only part 5 (decode on the device) and the synthetic ResNet-50 "
+                        "rate it is compared with")
     p.add_argument("--time-compile", action="store_true", help="also time torch.compile")
     p.add_argument("--compile-mode", default=None,
                    choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
@@ -309,10 +378,12 @@ def main() -> None:
                    help="cpu: run every part on the CPU at --tiny sizes (tests the script)")
     p.add_argument("--tiny", action="store_true", help="small sizes (CPU smoke run)")
     args = p.parse_args()
+    if args.decode_check and args.no_shards:
+        fail("--decode-check reads JPEG shards; it cannot run with --no-shards")
     preflight(need_shards=not args.no_shards, device=args.device)
     dev = args.device
     if args.tiny:
-        args.workers, args.epochs = [1], min(args.epochs, 2)
+        args.workers, args.epochs, args.decode_workers = [1], min(args.epochs, 2), [1]
 
     import torch
 
@@ -332,6 +403,21 @@ def main() -> None:
     log(f"gpu_check on {res['device']} (torch {res['torch']}, CUDA {res['cuda']}, "
         f"{res['cpus']} CPUs)")
     perf = PerfConfig()
+    batch, steps = (128, args.r50_steps) if not args.tiny else (2, 2)
+    n_shard = args.shard_images if not args.tiny else 8
+
+    if args.decode_check:  # part 5 only
+        res["decode_check"] = True
+        synthetic_rate(res, args, batch, steps, perf, dev)
+        with tempfile.TemporaryDirectory() as tmp:
+            t0 = time.perf_counter()
+            split = write_jpeg_shards(Path(tmp), n_shard, args.cifar)
+            res["shards_written_s"] = time.perf_counter() - t0
+            decode_part(res, args, split, batch, perf, dev)
+        res["wall_s"] = time.perf_counter() - t_all
+        _save(res, args)
+        log(f"done in {res['wall_s']:.0f} s")
+        return
 
     # 1. ResNet-32
     train, test, what = (cifar_data(args.cifar) if not args.tiny
@@ -369,28 +455,13 @@ def main() -> None:
     _save(res, args)
 
     # 2. ResNet-50, synthetic in-memory
-    batch, steps = (128, args.r50_steps) if not args.tiny else (2, 2)
-    g = torch.Generator(device=dev).manual_seed(0)
-    images = torch.randn(batch * steps, 3, 224, 224, device=dev, generator=g)
-    labels = torch.randint(0, 1000, (batch * steps,), device=dev, generator=g)
-    plain, mem_plain = resnet50_plain(images, labels, steps, batch, dev)
-    ours, mem_ours = resnet50_ours(images, labels.cpu(), steps, batch, perf, dev)
-    res["resnet50_synthetic"] = {"plain_images_per_s": plain, "ours_images_per_s": ours,
-                                 "ratio": ours / plain, "plain_peak_mem_gib": mem_plain,
-                                 "ours_peak_mem_gib": mem_ours, "batch": batch, "steps": steps}
-    log(f"[2] ResNet-50 224px synthetic: plain loop {plain:.0f} img/s, this pipeline "
-        f"{ours:.0f} img/s (x{ours / plain:.3f})")
-    del images, labels
-    if dev == "cuda":
-        torch.cuda.empty_cache()
-    _save(res, args)
+    synthetic_rate(res, args, batch, steps, perf, dev)
 
     # 3. ResNet-50 through the shard loader
     if not args.no_shards:
         with tempfile.TemporaryDirectory() as tmp:
             t0 = time.perf_counter()
-            split = write_jpeg_shards(Path(tmp), args.shard_images if not args.tiny else 8,
-                                      args.cifar)
+            split = write_jpeg_shards(Path(tmp), n_shard, args.cifar)
             res["shards_written_s"] = time.perf_counter() - t0
             rows = []
             for w in args.workers:
@@ -400,6 +471,8 @@ def main() -> None:
                     f"{r['images_per_s']:.0f} img/s over {r['steps']} steps")
                 _save(dict(res, resnet50_shards=rows), args)
             res["resnet50_shards"] = rows
+            # 5. the same shards decoded on the device
+            decode_part(res, args, split, batch, perf, dev)
     res["wall_s"] = time.perf_counter() - t_all
     _save(res, args)
     log(f"done in {res['wall_s']:.0f} s")
@@ -482,6 +555,28 @@ def report(res: dict) -> str:
             lines.insert(len(lines) - 2, f"| JPEG shards (320 px, resize 256, crop 224, "
                          f"flip, jitter), {r['workers']} decode workers | this pipeline | "
                          f"{r['images_per_s']:.0f} | |")
+    dec = res.get("resnet50_decode")
+    if dec and r50:
+        synth = r50["ours_images_per_s"]
+        lines += ["", "## ResNet-50 from JPEG shards, decoded on the device "
+                  "(`LoaderConfig.decode`)", "",
+                  "320 px JPEGs, clothing1m preset (resize 256, random crop 224, flip, colour "
+                  f"jitter), batch {r50['batch']}; against this pipeline's synthetic rate "
+                  f"({synth:.0f} images/s). CPU-s per 1,000 images: the training process and its "
+                  "loader workers together.", "",
+                  "| decode | loader workers | images/s | / synthetic | CPU-s per 1,000 images "
+                  "| cores busy | decode fallbacks |", "|---|---|---|---|---|---|---|"]
+        for r in dec:
+            lines.append(f"| {r['decode']} | {r['workers']} | {r['images_per_s']:.0f} | "
+                         f"{r['ratio_to_synthetic']:.3f} | {r['cpu_s_per_1000']:.2f} | "
+                         f"{r['cores_busy']:.1f} | {r['decode_fallback']} |")
+        best = max((r for r in dec if r["decode"] == "device"), default=None,
+                   key=lambda r: r["ratio_to_synthetic"])
+        if best is not None:
+            met = "met" if best["ratio_to_synthetic"] >= 0.9 else "missed"
+            lines += ["", f"decode=device, {best['workers']} loader workers: "
+                      f"**{best['ratio_to_synthetic']:.3f} x synthetic** (target >= 0.9 with at "
+                      f"most 4 workers: {met})."]
     lines.append("")
     return "\n".join(lines)
 

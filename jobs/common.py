@@ -365,6 +365,10 @@ def add_common_args(p: argparse.ArgumentParser, preset: Preset, *, job: str) -> 
     g.add_argument("--loader-workers", type=int, default=2,
                    help="DataLoader processes per worker (0 = read in the worker)")
     g.add_argument("--shuffle-buffer", type=int, default=1000)
+    g.add_argument("--decode", choices=["cpu", "device", "auto"], default="cpu",
+                   help="where images are decoded and augmented: cpu (the loader processes), "
+                        "device (JPEG bytes to the worker, decoded and augmented on its GPU: "
+                        "nvJPEG), auto (device on GPU workers); LoaderConfig.decode")
     g.add_argument("--checkpoint-every", type=int, default=0,
                    help="also checkpoint every N steps inside an epoch (0: end of epoch only)")
     g.add_argument("--progress-seconds", type=float, default=60.0,
@@ -614,7 +618,7 @@ def dist_config(args: argparse.Namespace, *, run_name: str, train: str, test: st
         verify_checksums=args.verify_checksums,
         # resolved here: the workers of a cluster need not have the driver's environment
         s3_endpoint_url=storage.endpoint(args.s3_endpoint_url),
-        sync_bn=getattr(args, "sync_bn", False),
+        sync_bn=getattr(args, "sync_bn", False), decode=getattr(args, "decode", "cpu"),
         export_model=bool(getattr(args, "export_model", True)) and not args.smoke_test,
         init_from=_init_from(args, storage.join(run_dir, "train", run_name),
                              endpoint_url=args.s3_endpoint_url),

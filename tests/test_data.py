@@ -564,10 +564,11 @@ def test_loader_counters_sum_over_ranks():
 
     stats = {"skipped_decode": 1, "skipped_meta": 2, "skipped_duplicate": 3, "skipped_extra": 4,
              "skipped_tar": 1, "missing": 9, "padded": 9, "checksum_mismatch": 0, "samples": 50,
-             "read_retries": 2}
+             "read_retries": 2, "decode_fallback": 3}
     assert loader_counters(stats) == {"data_skipped_samples": 10.0, "data_skipped_shards": 1.0,
                                       "data_missing": 9.0, "data_padded": 9.0,
-                                      "data_checksum_mismatch": 0.0, "data_read_retries": 2.0}
+                                      "data_checksum_mismatch": 0.0, "data_read_retries": 2.0,
+                                      "data_decode_fallback": 3.0}
     doubled = loader_counters(stats, all_reduce_sum=lambda t: 2 * t)
     assert doubled["data_padded"] == 18.0 and doubled["data_skipped_samples"] == 20.0
 

@@ -186,6 +186,28 @@ def test_gpu_check_fails_fast_without_a_gpu():
     assert "no CUDA device" in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
 
+def test_the_decode_check_fails_fast_and_writes_nothing_without_a_gpu(tmp_path):
+    """``--decode-check`` (ResNet-50 from shards decoded on the GPU against the synthetic
+    rate, for the next GPU session): on a machine without CUDA, status 2, one line, no
+    figure files; asked to skip the shards it needs, one line too."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")  # CI never does
+    root = Path(__file__).resolve().parents[1]
+    md, js = tmp_path / "gpu-decode.md", tmp_path / "gpu-decode.json"
+    for extra, says in (([], "no CUDA device"),
+                        (["--no-shards"], "--decode-check reads JPEG shards")):
+        out = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_check.py"),
+                              "--decode-check", "--out", str(md), "--json", str(js), *extra],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 2, out.stderr
+        assert says in out.stderr and len(out.stderr.strip().splitlines()) == 1
+        assert not md.exists() and not js.exists()
+
+
 def test_gpu_check_runs_end_to_end_at_tiny_sizes_on_the_cpu(tmp_path):
     """The GPU check's code (ResNet-32 CE and LCCN epochs, ResNet-50 against a plain loop,
     real JPEG shards through the loader with device-side normalisation) at tiny sizes on
@@ -210,6 +232,12 @@ def test_gpu_check_runs_end_to_end_at_tiny_sizes_on_the_cpu(tmp_path):
     fp16 = res["resnet32_ce_fp16"]  # the fp16 + GradScaler epoch, beside the default one
     assert len(fp16) == 1 and math.isfinite(fp16[0]["loss"]) and "fp16_error" not in res
     assert "under float16 autocast with a GradScaler" in (tmp_path / "gpu.md").read_text()
+    # part 5: the same shards decoded on the device (here the CPU), beside decode="cpu"
+    dec = res["resnet50_decode"]
+    assert [(r["decode"], r["workers"]) for r in dec] == [("device", 1), ("cpu", 1)]
+    assert all(r["steps"] == 4 and r["decode_fallback"] == 0 and r["cpu_s_per_1000"] > 0
+               for r in dec)
+    assert "decoded on the device" in (tmp_path / "gpu.md").read_text()
 
 
 def test_fp16_autocasts_and_scales_the_loss_of_every_network():

@@ -767,6 +767,10 @@ def test_scale_lr_applies_the_linear_rule_and_sync_bn_needs_gpus():
     assert dist.sync_bn and dist.use_gpu
     with pytest.raises(ValueError, match="sync_bn needs GPU workers"):
         dataclasses.replace(dist, use_gpu=False)
+    assert dist.decode == "cpu"  # LoaderConfig.decode: unchanged unless asked
+    args, _ = _configs(cifar_lccn, ["--data", "/x", "--gpu", "--decode", "auto"])
+    assert common.dist_config(args, run_name="r", train="/s", test=None, class_names=[],
+                              transform="cifar").decode == "auto"
 
 
 def test_sync_bn_converts_the_batch_norm_layers_in_place_keeping_the_parameters(monkeypatch):

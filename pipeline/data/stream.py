@@ -17,31 +17,43 @@ Stages of one epoch (what each yields)::
     open                 {"url", "stream"}: a local file, an HTTP response (urllib) or an
                          s3 object stream (``pipeline.data.s3.ObjectReader``, boto3; resumes a
                          dropped connection where it broke)
-    tar reading          {"fname", "data"} per tar member (wds.tariterators); a truncated or
-                         unreadable shard ends early and is counted once in ``skipped_tar``
+    tar reading          {"fname", "data"} per tar member (``pipeline.data.tario``: tarfile's
+                         semantics, less Python per member); a truncated or unreadable shard
+                         ends early and is counted once in ``skipped_tar``
     group by key         {"__key__", "__url__", "jpg"|"png", "json"} raw samples
     shard count check    same; a shard that yields fewer samples than the manifest says is
                          counted in ``skipped_tar`` (a tar cut at a member boundary reads as
                          a clean end of archive)
     shuffle buffer       same, drawn from a buffer of ``cfg.shuffle_buffer`` raw samples
                          (bytes, so it is cheap to hold; 0 = off)
-    decode               {"idx", "image": PIL image in the preset's mode}; undecodable
-                         images -> ``skipped_decode``, missing/invalid json or key -> ``skipped_meta``
-    label view           + "observed", "clean" looked up by idx (from the shard's json when
-                         no view is given)
+    check                {"idx", "bytes", "meta", "name"}: missing/invalid json or key ->
+                         ``skipped_meta``; ``drop[idx]`` -> left out (``dropped``)
+    -- decode="cpu" --
+    decode               + "image": the pixels PIL gives in the preset's mode (a uint8 tensor
+                         from libjpeg-turbo, or a PIL image; ``pipeline.data.jpeg``);
+                         undecodable images -> ``skipped_decode``
     open-set noise       image replaced by ``ood_transform(pixels, idx=, seed=)`` where
                          ``label_view.ood[idx]``
-    augment              "image": uint8 (C, H, W) (the ``pipeline.data.transforms`` preset's
-                         augmentation / eval geometry, on the PIL image)
+    augment              "image": uint8 (C, H, W) (the preset's augmentation / eval geometry,
+                         ``pipeline.data.sample_transform``: v2's draws and PIL's pixels)
     chunk                dict of stacked tensors: images (c, C, H, W) uint8, labels (c, 3) int64
-                         (columns idx, observed, clean), and "stats": counter increments since
-                         the previous chunk
+                         (columns idx, observed, clean: looked up by idx for the whole chunk,
+                         from the shard's json when no view is given), and "stats": counter
+                         increments since the previous chunk
+    -- decode="device" --
+    payload              + "payload": the JPEG's bytes, or pixels decoded here for a file the
+                         device decoder does not take (``decode_fallback``) and for open-set
+                         samples (shuffled as above)
+    chunk                packed payloads (one uint8 buffer, spans, kinds), labels, "stats"
     -- in the training process -----------------------------------------------------------
     re-batch             ``Batch`` of the planned sizes: the rank's n_r samples cut into S
                          batches, batch i ending at round((i+1) * n_r / S); duplicates of an
                          idx already seen this epoch are dropped (``skipped_duplicate``);
                          samples that never came (skipped) are made up with repeats of
                          already-yielded samples flagged ``valid=False`` (``padded``)
+    device decode        decode="device": the batch's JPEGs decoded on the loader's device
+                         and augmented there as a batch (``pipeline.data.device_decode``);
+                         a file the decoder refuses -> PIL (``decode_fallback``)
     normalise            images -> float32 (B, C, H, W) by the preset's batch normalisation
 
 Splitting is explicit, not ``wds.WebDataset``'s: the rank and world size are arguments (no
@@ -63,14 +75,16 @@ Randomness: shard order from ``numpy.random.default_rng([seed, epoch])``; the sh
 and the augmentations from a seed per (seed, epoch, rank, worker). Augmentations draw from
 torch's default CPU generator inside ``torch.random.fork_rng`` with that slot's state, so
 the caller's global RNG is untouched and a run is reproducible for a fixed
-(seed, epoch, world_size, num_workers).
+(seed, epoch, world_size, num_workers). With decode="device" the augmentation of batch b
+draws from a ``torch.Generator`` seeded by (seed, epoch, rank, b) instead.
 
 Data position (for checkpoints): ``loader.position`` = {"epoch", "batch"} where ``batch`` is
 the number of batches handed out so far this epoch (counting skipped ``start_batch``). To
 resume, build the loader of the same epoch with ``start_batch=position["batch"]``: the
 stream is deterministic, so the remaining batches are exactly those the interrupted run
 would have produced. The cost: the skipped batches are still read, decoded and augmented
-(by the loader workers, no model step), i.e. up to one epoch of loader time.
+(by the loader workers, no model step), i.e. up to one epoch of loader time; with
+decode="device" they are only read (their crops do not depend on them).
 
 Sources: a local split directory, or a base URL ``http(s)://host/path/<split>`` (manifest at
 ``<base>/manifest.json`` read with urllib, shards streamed with urllib) or ``s3://bucket/...``
@@ -87,7 +101,6 @@ is counted in ``checksum_mismatch``; the samples are already used by then).
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 import math
@@ -109,12 +122,22 @@ import torch
 import webdataset as wds
 from PIL import Image
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
-from webdataset.tariterators import group_by_keys, tar_file_expander
+from webdataset.tariterators import group_by_keys
 
 from pipeline.core.batch import Batch, ViewsBatch
 from pipeline.core.labels import LabelView
 from pipeline.core.noise import shuffle_pixels
 from pipeline.data import s3
+from pipeline.data.device_decode import (
+    JPEG,
+    PIXELS,
+    DeviceDecoder,
+    Payload,
+    pack_payloads,
+    unpack_payloads,
+)
+from pipeline.data.jpeg import decode as decode_image
+from pipeline.data.jpeg import decode_draft, jpeg_header
 from pipeline.data.manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -122,11 +145,9 @@ from pipeline.data.manifest import (
     sample_key,
     sha256_file,
 )
-from pipeline.data.transforms import (
-    build_batch_transform,
-    build_sample_transform,
-    get_preset,
-)
+from pipeline.data.sample_transform import SampleTransform, draft_target, hwc_pixels
+from pipeline.data.tario import expand_tars
+from pipeline.data.transforms import build_batch_transform, get_preset
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +155,8 @@ REMOTE_PREFIXES = ("http://", "https://", "s3://")
 IMAGE_KEYS = ("jpg", "png", "jpeg")
 STAT_KEYS = ("samples", "shards", "skipped_decode", "skipped_meta", "skipped_tar",
              "skipped_duplicate", "skipped_extra", "missing", "padded", "checksum_mismatch",
-             "read_retries", "dropped")
+             "read_retries", "dropped", "decode_fallback")
+DECODE_MODES = ("cpu", "device", "auto")
 # What PIL raises on a corrupt, truncated or hostile image.
 _DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError)
 
@@ -175,6 +197,28 @@ class LoaderConfig:
                       each resuming where the stream broke. Logged and counted
                       (``read_retries``).
     multiprocessing_context: DataLoader start method (None = platform default).
+    decode:           where images are decoded and augmented. ``"cpu"`` (the default): in
+                      the loader workers, with PIL's pixels (JPEGs through libjpeg-turbo
+                      directly where that gives the same bytes, ``pipeline.data.jpeg``) and the
+                      preset's transform without v2's per-call overhead
+                      (``pipeline.data.sample_transform``: the same draws and pixels as
+                      ``build_sample_transform``). ``"device"``: the workers only read the
+                      tars and hand over the JPEG bytes; the training process decodes each
+                      batch on the loader's ``device`` (nvJPEG on CUDA, libjpeg-turbo on the
+                      CPU) and augments it there (``pipeline.data.device_decode``), with
+                      parameters from a generator per (seed, epoch, rank, batch). Files the
+                      device decoder cannot take are decoded on the CPU and counted in
+                      ``decode_fallback``. ``"auto"``: ``"device"`` when the loader's device
+                      is a CUDA device, else ``"cpu"`` (on a CPU-only node the training
+                      process has no spare core to decode with: the workers do it in
+                      parallel).
+    jpeg_draft:       decode="cpu": a JPEG whose preset starts with a resize to at most
+                      half its size on both sides is decoded at 1/2, 1/4 or 1/8 scale in the
+                      DCT domain (PIL's ``draft``) and resized from there. Faster on large
+                      originals; not the same pixels as a full decode (off by default).
+    device_prefetch:  decode="device": batches decoded ahead of the one being trained on, in
+                      a background thread of the training process (0 = decode each batch
+                      when it is asked for).
     """
 
     batch_size: int = 128
@@ -193,17 +237,23 @@ class LoaderConfig:
     s3_endpoint_url: str | None = None
     s3_retries: int = 5
     multiprocessing_context: str | None = None
+    decode: str = "cpu"
+    jpeg_draft: bool = False
+    device_prefetch: int = 2
 
     def __post_init__(self) -> None:
         get_preset(self.preset)  # ValueError listing the names
         for name, low in (("batch_size", 1), ("num_workers", 0), ("shuffle_buffer", 0),
                           ("chunk_size", 1), ("prefetch_factor", 1), ("http_retries", 1),
-                          ("s3_retries", 0)):
+                          ("s3_retries", 0), ("device_prefetch", 0)):
             if int(getattr(self, name)) < low:
                 raise ValueError(f"LoaderConfig.{name} must be >= {low}, got {getattr(self, name)}")
         if self.normalize_on not in ("host", "device"):
             raise ValueError(f"LoaderConfig.normalize_on must be 'host' or 'device', got "
                              f"{self.normalize_on!r}")
+        if self.decode not in DECODE_MODES:
+            raise ValueError(f"LoaderConfig.decode must be one of {', '.join(DECODE_MODES)}, "
+                             f"got {self.decode!r}")
         if self.s3_endpoint_url is not None and not str(self.s3_endpoint_url).startswith(
                 ("http://", "https://")):
             raise ValueError("LoaderConfig.s3_endpoint_url must be an http(s):// URL, got "
@@ -413,17 +463,19 @@ def loader_counters(stats: dict[str, int], *, all_reduce_sum: Callable[[torch.Te
     plan expected that never came), ``data_padded`` (pad entries yielded in their place,
     never trained on or counted), ``data_checksum_mismatch`` (streamed remote shards whose
     sha256 differs from the manifest), ``data_read_retries`` (s3 requests and reads retried
-    after a transient error).
+    after a transient error), ``data_decode_fallback`` (decode="device": images decoded on
+    the CPU because the device decoder does not take their format or refused them).
     """
     vals = torch.tensor([
         stats.get("skipped_decode", 0) + stats.get("skipped_meta", 0)
         + stats.get("skipped_duplicate", 0) + stats.get("skipped_extra", 0),
         stats.get("skipped_tar", 0), stats.get("missing", 0), stats.get("padded", 0),
-        stats.get("checksum_mismatch", 0), stats.get("read_retries", 0)], dtype=torch.float64)
+        stats.get("checksum_mismatch", 0), stats.get("read_retries", 0),
+        stats.get("decode_fallback", 0)], dtype=torch.float64)
     if all_reduce_sum is not None:
         vals = all_reduce_sum(vals.to(device)).cpu()
     keys = ("data_skipped_samples", "data_skipped_shards", "data_missing", "data_padded",
-            "data_checksum_mismatch", "data_read_retries")
+            "data_checksum_mismatch", "data_read_retries", "data_decode_fallback")
     return dict(zip(keys, vals.tolist()))
 
 
@@ -658,12 +710,12 @@ def _shuffle(samples: Iterator[dict], *, bufsize: int, rng: np.random.Generator)
         yield buf[j]
 
 
-def _decode(samples: Iterator[dict], *, mode: str, num_samples: int,
-            state: _SlotState, drop: np.ndarray | None = None,
-            keep_dropped: bool = False) -> Iterator[dict]:
-    """Raw sample -> {"idx", "image": PIL in ``mode``, "meta"}; bad ones are counted and skipped.
-    A sample whose ``drop[idx]`` is set is counted (``dropped``) and left out before its image
-    is decoded; with ``keep_dropped`` its raw members go to ``state.kept``."""
+def _checked(samples: Iterator[dict], *, num_samples: int, state: _SlotState,
+             drop: np.ndarray | None = None, keep_dropped: bool = False) -> Iterator[dict]:
+    """Raw sample -> {"idx", "bytes", "meta", "name"} (the image's encoded bytes, the shard
+    URL and key); samples without a valid json, image or key/idx match are counted and
+    skipped. A sample whose ``drop[idx]`` is set is counted (``dropped``) and left out
+    before its image is decoded; with ``keep_dropped`` its raw members go to ``state.kept``."""
     for s in samples:
         url, key = s.get("__url__", "?"), s.get("__key__", "?")
         img_bytes = next((s[k] for k in IMAGE_KEYS if k in s), None)
@@ -683,25 +735,98 @@ def _decode(samples: Iterator[dict], *, mode: str, num_samples: int,
                 state.kept.append({k: v for k, v in s.items()
                                    if k in IMAGE_KEYS or k in ("json", "__key__", "__url__")})
             continue
-        try:
-            with Image.open(io.BytesIO(img_bytes)) as im:
-                image = im.convert(mode)  # forces the full decode
-        except _DECODE_ERRORS as e:
-            state.skip("skipped_decode", "%s: sample %s (idx %d) does not decode (%s); skipped",
-                       url, key, idx, e)
-            continue
-        yield {"idx": idx, "image": image, "meta": meta}
+        yield {"idx": idx, "bytes": img_bytes, "meta": meta, "name": f"{url}: sample {key}"}
 
 
-def _apply_labels(samples: Iterator[dict], *, view: LabelView | None) -> Iterator[dict]:
-    """+ "observed", "clean" by idx from the view (from the shard's json when view is None)."""
+def _decode(samples: Iterator[dict], *, mode: str, state: _SlotState,
+            draft: Callable[[int, int], tuple[int, int] | None] | None = None) -> Iterator[dict]:
+    """{"bytes", ...} -> {"idx", "image", "meta"}: the image decoded to ``mode`` with PIL's
+    pixels (a uint8 (C, H, W) tensor from libjpeg-turbo, or a PIL image;
+    :func:`pipeline.data.jpeg.decode`); ``draft(h, w)``: the (w, h) a JPEG of that size may
+    be decoded down to (``LoaderConfig.jpeg_draft``). Undecodable images are counted in
+    ``skipped_decode`` and skipped."""
     for s in samples:
-        i = s["idx"]
-        if view is None:
-            s["observed"], s["clean"] = int(s["meta"]["label"]), int(s["meta"].get("clean", -1))
-        else:
-            s["observed"], s["clean"] = int(view.observed[i]), int(view.clean[i])
+        data = s.pop("bytes")
+        name = s.pop("name")
+        try:
+            size = None
+            if draft is not None:
+                h = jpeg_header(data)
+                size = None if h is None else draft(h.height, h.width)
+            s["image"] = (decode_image(data, mode) if size is None
+                          else decode_draft(data, mode, size))
+        except _DECODE_ERRORS as e:
+            state.skip("skipped_decode", "%s (idx %d) does not decode (%s); skipped",
+                       name, s["idx"], e)
+            continue
         yield s
+
+
+MAX_FALLBACKS_LOGGED = 5
+_FALLBACKS_LOGGED = [0]  # fallbacks logged by this process (a PNG dataset falls back every epoch)
+
+
+def _payloads(samples: Iterator[dict], *, mode: str, state: _SlotState,
+              ood: np.ndarray | None, ood_fn: OodTransform | None,
+              ood_seed: int | None) -> Iterator[dict]:
+    """decode="device": {"bytes", ...} -> {"idx", "payload": Payload, "meta"}. A JPEG the
+    device decoder takes (8-bit Huffman, 1 or 3 components, ending in EOI) goes as its
+    bytes; another file is decoded here on the CPU (counted in ``decode_fallback``, its
+    name logged) and goes as pixels, as does an open-set sample (its pixels shuffled by
+    ``ood_fn``, as :func:`_apply_ood`). Undecodable ones -> ``skipped_decode``."""
+    for s in samples:
+        data, name, idx = s.pop("bytes"), s.pop("name"), s["idx"]
+        is_ood = ood is not None and ood[idx]
+        h = None if is_ood else jpeg_header(data)
+        if h is not None and h.huffman_8bit and h.complete:
+            s["payload"] = Payload(JPEG, data, h.height, h.width, name)
+            yield s
+            continue
+        try:
+            px = hwc_pixels(decode_image(data, mode))
+        except _DECODE_ERRORS as e:
+            state.skip("skipped_decode", "%s (idx %d) does not decode (%s); skipped", name, idx, e)
+            continue
+        if is_ood:
+            px = _ood_pixels(px, fn=ood_fn, idx=idx, seed=ood_seed)
+        else:
+            state.stats["decode_fallback"] += 1
+            _FALLBACKS_LOGGED[0] += 1  # every file counted; the first few named, per process
+            if _FALLBACKS_LOGGED[0] <= MAX_FALLBACKS_LOGGED:
+                log.warning("%s (idx %d) is not a JPEG the device decoder takes (%s); decoded "
+                            "on the CPU%s", name, idx,
+                            "not a JPEG" if h is None else f"SOF 0x{h.sof:02X}, {h.precision}-bit, "
+                            f"{h.components} components" + ("" if h.complete else ", no end marker"),
+                            " (further ones counted in data_decode_fallback, not logged)"
+                            if _FALLBACKS_LOGGED[0] == MAX_FALLBACKS_LOGGED else "")
+        px = np.ascontiguousarray(px)
+        s["payload"] = Payload(PIXELS, px.tobytes(), px.shape[0], px.shape[1], name)
+        yield s
+
+
+def _ood_pixels(px: np.ndarray, *, fn: OodTransform, idx: int, seed: int | None) -> np.ndarray:
+    """``fn`` of (H, W, C) uint8 pixels, checked: uint8 of the same height and width."""
+    out = np.asarray(fn(px, idx=idx, seed=seed))
+    if out.dtype != np.uint8 or out.shape[:2] != px.shape[:2]:
+        raise ValueError(f"ood_transform returned {out.dtype} {out.shape} for idx "
+                         f"{idx}; expected uint8 {px.shape}")
+    return out
+
+
+def _labels(items: list[dict], view: LabelView | None) -> torch.Tensor:
+    """(n, 3) int64 columns idx, observed, clean: looked up in the view for the whole chunk
+    at once (from each shard json's ``label``/``clean`` when no view is given)."""
+    idx = np.fromiter((s["idx"] for s in items), dtype=np.int64, count=len(items))
+    if view is None:
+        observed = [int(s["meta"]["label"]) for s in items]
+        clean = [int(s["meta"].get("clean", -1)) for s in items]
+        return torch.tensor(np.stack([idx, observed, clean], axis=1) if items
+                            else np.zeros((0, 3), np.int64), dtype=torch.int64).reshape(-1, 3)
+    out = np.empty((len(items), 3), dtype=np.int64)
+    out[:, 0] = idx
+    out[:, 1] = view.observed[idx]
+    out[:, 2] = view.clean[idx]
+    return torch.from_numpy(out)
 
 
 def _apply_ood(samples: Iterator[dict], *, ood: np.ndarray | None, fn: OodTransform | None,
@@ -709,25 +834,19 @@ def _apply_ood(samples: Iterator[dict], *, ood: np.ndarray | None, fn: OodTransf
     """Replace the image of every idx with ``ood[idx]`` by ``fn(pixels (H, W, C) uint8, idx=, seed=)``."""
     for s in samples:
         if ood is not None and ood[s["idx"]]:
-            img = s["image"]
-            px = np.asarray(img)
-            gray = px.ndim == 2
-            out = np.asarray(fn(px[:, :, None] if gray else px, idx=s["idx"], seed=seed))
-            if out.dtype != np.uint8 or out.shape[:2] != px.shape[:2]:
-                raise ValueError(f"ood_transform returned {out.dtype} {out.shape} for idx "
-                                 f"{s['idx']}; expected uint8 {px.shape}")
-            s["image"] = Image.fromarray(out[:, :, 0] if gray else out, mode=img.mode)
+            px = _ood_pixels(hwc_pixels(s["image"]), fn=fn, idx=s["idx"], seed=seed)
+            s["image"] = torch.from_numpy(np.ascontiguousarray(px)).permute(2, 0, 1)
         yield s
 
 
 def _augment(samples: Iterator[dict], *, transform: Callable, shape: tuple[int, ...],
              preset: str, views: int = 1) -> Iterator[dict]:
-    """PIL image -> uint8 (C, H, W) tensor of the preset's shape; ``views=2`` also
+    """Decoded image -> uint8 (C, H, W) tensor of the preset's shape; ``views=2`` also
     ``"image2"``, the transform applied a second time to the same image."""
     for s in samples:
         img = s.pop("image")
         for key in ("image", "image2")[:views]:
-            x = transform(img).as_subclass(torch.Tensor)
+            x = transform(img)
             if tuple(x.shape) != shape or x.dtype != torch.uint8:
                 raise ValueError(f"preset {preset!r} made a {x.dtype} {tuple(x.shape)} tensor "
                                  f"for idx {s['idx']}; expected uint8 {shape}")
@@ -736,11 +855,14 @@ def _augment(samples: Iterator[dict], *, transform: Callable, shape: tuple[int, 
 
 
 def _chunks(samples: Iterator[dict], *, size: int, shape: tuple[int, ...], state: _SlotState,
-            rng_state: torch.Tensor, views: int = 1) -> Iterator[dict]:
+            rng_state: torch.Tensor, view: LabelView | None, views: int = 1,
+            raw: bool = False) -> Iterator[dict]:
     """Stack ``size`` samples per chunk; every chunk carries the counters since the last one.
 
     All upstream work (decode, augment) runs here, inside ``fork_rng`` with this slot's own
-    torch generator state, so augmentations depend on the slot seed only.
+    torch generator state, so augmentations depend on the slot seed only. ``raw``
+    (decode="device"): the chunk carries packed payloads (:func:`pack_payloads`) instead
+    of images.
     """
     it = iter(samples)
     done = False
@@ -758,17 +880,19 @@ def _chunks(samples: Iterator[dict], *, size: int, shape: tuple[int, ...], state
         state.stats["samples"] += len(items)
         if not items and not done:
             continue
-        chunk = {
-            "images": (torch.stack([s["image"] for s in items]) if items
-                       else torch.empty((0, *shape), dtype=torch.uint8)),
-        }
-        if views == 2:
-            chunk["images2"] = (torch.stack([s["image2"] for s in items]) if items
-                                else torch.empty((0, *shape), dtype=torch.uint8))
+        if raw:
+            chunk = pack_payloads([s["payload"] for s in items])
+        else:
+            chunk = {
+                "images": (torch.stack([s["image"] for s in items]) if items
+                           else torch.empty((0, *shape), dtype=torch.uint8)),
+            }
+            if views == 2:
+                chunk["images2"] = (torch.stack([s["image2"] for s in items]) if items
+                                    else torch.empty((0, *shape), dtype=torch.uint8))
         yield {
             **chunk,
-            "labels": torch.tensor([(s["idx"], s["observed"], s["clean"]) for s in items],
-                                   dtype=torch.int64).reshape(-1, 3),
+            "labels": _labels(items, view),
             "stats": state.take_stats(),
             "kept": state.take_kept(),
         }
@@ -778,6 +902,13 @@ def _slot_seed(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(1, np.uint64)[0] >> 1)
 
 
+def _draft_fn(cfg: LoaderConfig, transform: SampleTransform
+              ) -> Callable[[int, int], tuple[int, int] | None] | None:
+    if not cfg.jpeg_draft:
+        return None
+    return lambda h, w: draft_target((h, w), transform.first_resize(h, w))
+
+
 class _RankStream(IterableDataset):
     """The chunk stream of one rank; in DataLoader worker w it reads slot (rank, w)."""
 
@@ -785,12 +916,14 @@ class _RankStream(IterableDataset):
                  hashes: dict[str, str] | None, label_view: LabelView | None, num_samples: int,
                  cfg: LoaderConfig, train: bool, shuffle_buffer: int, seed_parts: tuple[int, ...],
                  ood_transform: OodTransform | None, views: int = 1,
-                 drop: np.ndarray | None = None, keep_dropped: bool = False) -> None:
+                 drop: np.ndarray | None = None, keep_dropped: bool = False,
+                 device_decode: bool = False) -> None:
         super().__init__()
         self.views, self.drop, self.keep_dropped = views, drop, keep_dropped
         self.urls, self.counts, self.slots, self.hashes = urls, counts, slots, hashes
         self.label_view, self.num_samples, self.cfg, self.train = label_view, num_samples, cfg, train
         self.shuffle_buffer, self.seed_parts, self.ood_transform = shuffle_buffer, seed_parts, ood_transform
+        self.device_decode = device_decode
 
     def __iter__(self) -> Iterator[dict]:
         info = get_worker_info()
@@ -804,33 +937,77 @@ class _RankStream(IterableDataset):
         state = _SlotState()
         view = self.label_view
         ood = None if view is None or not view.ood.any() else view.ood
+        ood_seed = _ood_seed(cfg, view, ood)
         stages = [
             [{"url": self.urls[i]} for i in shards],          # {"url"}: this slot's shards, in order
             partial(_open_shards, state=state, cfg=cfg,       # + "stream"
                     hashes=self.hashes),
-            partial(tar_file_expander,                        # {"fname", "data"} per member
+            partial(expand_tars,                              # {"fname", "data"} per member
                     handler=state.tar_handler),
             partial(group_by_keys, handler=state.tar_handler),  # raw sample {"__key__", "jpg", "json"}
             partial(_check_shard_counts, state=state,         # same; short shards counted
                     expected={self.urls[i]: self.counts[i] for i in shards}),
             partial(_shuffle, bufsize=self.shuffle_buffer,    # same, shuffled within the buffer
                     rng=np.random.default_rng(seed)),
-            partial(_decode, mode=preset.mode,                # {"idx", "image": PIL, "meta"};
-                    num_samples=self.num_samples, state=state,  # drop[idx]: left out before
-                    drop=self.drop, keep_dropped=self.keep_dropped),  # decoding
-            partial(_apply_labels, view=view),                # + "observed", "clean"
-            partial(_apply_ood, ood=ood, fn=self.ood_transform,  # image pixel-shuffled if ood[idx]
-                    seed=_ood_seed(cfg, view, ood)),
-            partial(_augment, transform=build_sample_transform(cfg.preset, train=self.train),
-                    shape=preset.shape, preset=cfg.preset,    # "image" (and "image2"):
-                    views=self.views),                        # (C, H, W) uint8
-            partial(_chunks, size=cfg.chunk_size, shape=preset.shape,  # stacked chunk + "stats"
-                    state=state, rng_state=rng_state, views=self.views),
+            partial(_checked, num_samples=self.num_samples,   # {"idx", "bytes", "meta", "name"};
+                    state=state, drop=self.drop,              # drop[idx]: left out before
+                    keep_dropped=self.keep_dropped),          # decoding
         ]
+        if self.device_decode:
+            stages += [
+                partial(_payloads, mode=preset.mode, state=state,  # + "payload": JPEG bytes, or
+                        ood=ood, ood_fn=self.ood_transform,   # pixels decoded here (other
+                        ood_seed=ood_seed),                   # formats; open-set samples)
+                partial(_chunks, size=cfg.chunk_size, shape=preset.shape,  # packed payloads,
+                        state=state, rng_state=rng_state,     # labels (n, 3), "stats"
+                        view=view, raw=True),
+            ]
+        else:
+            transform = SampleTransform(cfg.preset, train=self.train)
+            stages += [
+                partial(_decode, mode=preset.mode, state=state,  # + "image": pixels in the
+                        draft=_draft_fn(cfg, transform)),     # preset's mode
+                partial(_apply_ood, ood=ood, fn=self.ood_transform,  # pixels shuffled if ood[idx]
+                        seed=ood_seed),
+                partial(_augment, transform=transform,        # "image" (and "image2"):
+                        shape=preset.shape, preset=cfg.preset,  # (C, H, W) uint8
+                        views=self.views),
+                partial(_chunks, size=cfg.chunk_size, shape=preset.shape,  # stacked chunk,
+                        state=state, rng_state=rng_state,     # labels (n, 3), "stats"
+                        view=view, views=self.views),
+            ]
         return iter(wds.DataPipeline(stages))
 
 
 # -- the loader (training-process side) -------------------------------------------------------
+
+
+def _cat(parts: list) -> Any:
+    """Concatenate chunk fields: tensors along the first axis, lists of payloads."""
+    if isinstance(parts[0], torch.Tensor):
+        return torch.cat(parts)
+    return [x for p in parts for x in p]
+
+
+def _select(v: Any, sel: torch.Tensor) -> Any:
+    return v[sel] if isinstance(v, torch.Tensor) else [v[i] for i in sel.tolist()]
+
+
+def resolve_decode(cfg: LoaderConfig, device: torch.device | str | None) -> torch.device | None:
+    """The device a loader decodes on: None for decode="cpu" (the workers decode), else
+    ``device`` (default: the current CUDA device if there is one, else the CPU); "auto" is
+    "device" on a CUDA device and "cpu" otherwise."""
+    if cfg.decode == "cpu":
+        return None
+    if device is None:
+        device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                  else torch.device("cpu"))
+    device = torch.device(device)
+    if cfg.decode == "auto" and device.type != "cuda":
+        return None
+    if device.type == "cuda" and device.index is None:  # "cuda": the current one, by index
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 class ShardLoader:
@@ -840,12 +1017,14 @@ class ShardLoader:
     ``num_samples`` (n_r of this rank), ``num_workers`` (DataLoader workers actually used),
     ``stats`` (counters of the current/last pass, see ``STAT_KEYS``), ``position``,
     ``kept`` (the raw samples a loader made with ``keep_dropped`` left out before decoding,
-    complete once a pass has ended). ``len(loader)`` is the number of batches a pass yields
-    (S - start_batch).
+    complete once a pass has ended), ``decode_device`` (None: the workers decode; else the
+    device batches are decoded and augmented on). ``len(loader)`` is the number of batches
+    a pass yields (S - start_batch).
     """
 
     def __init__(self, *, dataset: _RankStream, plan: EpochPlan, rank: int, epoch: int,
-                 num_workers: int, start_batch: int, cfg: LoaderConfig, num_total: int) -> None:
+                 num_workers: int, start_batch: int, cfg: LoaderConfig, num_total: int,
+                 decode_device: torch.device | None = None) -> None:
         self._dataset, self.plan, self.rank, self.epoch = dataset, plan, rank, epoch
         self.num_workers, self.start_batch, self._cfg = num_workers, start_batch, cfg
         self._num_total = num_total
@@ -854,6 +1033,9 @@ class ShardLoader:
         self.stats: dict[str, int] = dict.fromkeys(STAT_KEYS, 0)
         self.kept: list[dict] = []
         self.batches_done = start_batch
+        self.decode_device = decode_device
+        self._decoder = (None if decode_device is None else DeviceDecoder(
+            cfg.preset, train=dataset.train, device=decode_device, views=dataset.views))
 
     def __len__(self) -> int:
         return self.steps_per_epoch - self.start_batch
@@ -872,50 +1054,44 @@ class ShardLoader:
                                multiprocessing_context=cfg.multiprocessing_context,
                                persistent_workers=False))
 
-    def __iter__(self) -> Iterator[Batch]:
-        self.stats = dict.fromkeys(STAT_KEYS, 0)
-        self.kept = []
-        self.batches_done = self.start_batch
+    def batch_generator(self, step: int) -> torch.Generator:
+        """decode="device": the generator of batch ``step``'s augmentation parameters,
+        seeded from (seed, epoch, rank, step, train): a resumed epoch draws the same."""
+        seed = _slot_seed(self._cfg.seed, self.epoch, self.rank, step, int(self._dataset.train))
+        return torch.Generator().manual_seed(seed)
+
+    def _raw_batches(self) -> Iterator[tuple[int, dict, int]]:
+        """(step, fields of the batch, number of valid rows) for every batch of the pass
+        from ``start_batch`` on: images (decode="cpu") or payloads (decode="device")."""
         sizes = self.plan.batch_sizes(self.rank)
         n_rank = self.num_samples
         seen = np.zeros(self._num_total, dtype=bool)
-        pending: list[dict[str, torch.Tensor]] = []
+        pending: list[dict[str, Any]] = []
         n_pending = accepted = 0
-        last: dict[str, torch.Tensor] | None = None  # the last batch made (for padding)
+        last: dict[str, Any] | None = None  # the last batch made (for padding)
         step = 0
         # labels: (n, 3) int64 columns idx, observed, clean
         views = self._dataset.views
-        fields = ("images", "labels") if views == 1 else ("images", "images2", "labels")
+        if self._decoder is not None:
+            fields = ("items", "labels")
+        else:
+            fields = ("images", "labels") if views == 1 else ("images", "images2", "labels")
 
-        def take(n: int) -> dict[str, torch.Tensor]:
+        def take(n: int) -> dict[str, Any]:
             nonlocal pending, n_pending
-            merged = {f: torch.cat([c[f] for c in pending]) for f in fields}
+            merged = {f: _cat([c[f] for c in pending]) for f in fields}
             out = {f: v[:n] for f, v in merged.items()}
             rest = {f: v[n:] for f, v in merged.items()}
             pending = [rest] if len(rest["labels"]) else []
             n_pending -= len(out["labels"])
             return out
 
-        pin = self._cfg.pin_memory and torch.cuda.is_available()
-        normalise = (build_batch_transform(self._cfg.preset) if self._cfg.normalize_on == "host"
-                     else (lambda x: x))
-
-        def emit(b: dict[str, torch.Tensor], n_valid: int) -> Batch:
-            valid = torch.zeros(len(b["labels"]), dtype=torch.bool)
-            valid[:n_valid] = True
-            idx, observed, clean = b["labels"].T.contiguous()
-            out: Batch | ViewsBatch
-            if views == 1:
-                out = Batch(normalise(b["images"]), observed, idx, clean, valid)
-            else:
-                out = ViewsBatch(normalise(b["images"]), normalise(b["images2"]), observed, idx,
-                                 clean, valid)
-            return type(out)(*(t.pin_memory() for t in out)) if pin else out
-
         for chunk in self._chunk_iter():
             for k, v in chunk.pop("stats").items():
                 self.stats[k] = self.stats.get(k, 0) + int(v)
             self.kept.extend(chunk.pop("kept", ()))
+            if self._decoder is not None:
+                chunk = {"items": unpack_payloads(chunk), "labels": chunk["labels"]}
             idx = chunk["labels"][:, 0].numpy()
             if len(idx):
                 _, first = np.unique(idx, return_index=True)
@@ -931,7 +1107,7 @@ class ShardLoader:
                 seen[idx[keep]] = True
                 if not keep.all():
                     sel = torch.from_numpy(np.flatnonzero(keep))
-                    chunk = {f: chunk[f][sel] for f in fields}
+                    chunk = {f: _select(chunk[f], sel) for f in fields}
                 accepted += int(keep.sum())
                 if len(chunk["labels"]):
                     pending.append(chunk)
@@ -940,12 +1116,11 @@ class ShardLoader:
                 last = take(sizes[step])
                 step += 1
                 if step > self.start_batch:
-                    self.batches_done = step
-                    yield emit(last, sizes[step - 1])
+                    yield step, last, sizes[step - 1]
 
         # The stream has ended: pad any batch it could not fill (skipped samples).
-        self.stats["missing"] = n_rank - accepted
-        if step < len(sizes) and self.stats["missing"]:
+        self.stats["missing"] += n_rank - accepted
+        if step < len(sizes) and n_rank > accepted:
             log.warning("rank %d epoch %d: %d of %d samples missing (%s); padding %d batches",
                         self.rank, self.epoch, n_rank - accepted, n_rank,
                         {k: v for k, v in self.stats.items() if v and k.startswith("skipped")},
@@ -958,16 +1133,89 @@ class ShardLoader:
             if not pool:
                 raise RuntimeError(f"rank {self.rank}: no decodable sample in epoch {self.epoch}; "
                                    f"cannot pad (stats {self.stats})")
-            pool_t = {f: torch.cat([p[f] for p in pool]) for f in fields}
+            pool_t = {f: _cat([p[f] for p in pool]) for f in fields}
             rep = torch.arange(n - n_real) % len(pool_t["labels"])
-            b = {f: torch.cat([real[f], pool_t[f][rep]]) if real is not None else pool_t[f][rep]
-                 for f in fields}
+            b = {f: _cat([real[f], _select(pool_t[f], rep)]) if real is not None
+                 else _select(pool_t[f], rep) for f in fields}
             self.stats["padded"] += n - n_real
             last = b if real is None else real
             step += 1
             if step > self.start_batch:
-                self.batches_done = step
-                yield emit(b, n_real)
+                yield step, b, n_real
+
+    def _decode_batch(self, step: int, b: dict[str, Any], n_valid: int
+                      ) -> tuple[int, dict[str, Any], torch.Tensor, Counter]:
+        """decode="device": the payloads of batch ``step`` decoded and augmented."""
+        views, ok, counts = self._decoder(b["items"], generator=self.batch_generator(step - 1))
+        out = {"images": views[0], "labels": b["labels"]}
+        if len(views) == 2:
+            out["images2"] = views[1]
+        valid = torch.zeros(len(ok), dtype=torch.bool)
+        valid[:n_valid] = True
+        return step, out, valid & ok, counts
+
+    def _decoded(self) -> Iterator[tuple[int, dict[str, Any], torch.Tensor, Counter]]:
+        raw = self._raw_batches()
+        if self._decoder is None:
+            for step, b, n_valid in raw:
+                valid = torch.zeros(len(b["labels"]), dtype=torch.bool)
+                valid[:n_valid] = True
+                yield step, b, valid, Counter()
+            return
+        ahead = self._cfg.device_prefetch
+        if ahead == 0:
+            for item in raw:
+                yield self._decode_batch(*item)
+            return
+        # decode up to `ahead` batches in a background thread while the caller trains on
+        # the current one (torch and the decoders release the GIL)
+        dev = self.decode_device
+        init = (None if dev.type != "cuda" else partial(torch.cuda.set_device, dev))
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="device-decode",
+                                  initializer=init)
+        queue: list[Any] = []
+        try:
+            for item in raw:
+                queue.append(pool.submit(self._decode_batch, *item))
+                if len(queue) > ahead:
+                    yield queue.pop(0).result()
+            while queue:
+                yield queue.pop(0).result()
+        finally:
+            for f in queue:
+                f.cancel()
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def __iter__(self) -> Iterator[Batch]:
+        self.stats = dict.fromkeys(STAT_KEYS, 0)
+        self.kept = []
+        self.batches_done = self.start_batch
+        views = self._dataset.views
+        pin = self._cfg.pin_memory and torch.cuda.is_available()
+        normalise = (build_batch_transform(self._cfg.preset) if self._cfg.normalize_on == "host"
+                     else (lambda x: x))
+        if self._decoder is not None:
+            normalise = normalise.to(self.decode_device) if isinstance(
+                normalise, torch.nn.Module) else normalise
+
+        def pinned(t: torch.Tensor) -> torch.Tensor:
+            return t.pin_memory() if pin and t.device.type == "cpu" else t
+
+        for step, b, valid, counts in self._decoded():
+            for k, v in counts.items():
+                self.stats[k] = self.stats.get(k, 0) + v
+            if counts.get("skipped_decode"):  # rows no decoder took: now padding
+                self.stats["padded"] += counts["skipped_decode"]
+                self.stats["missing"] += counts["skipped_decode"]
+            idx, observed, clean = b["labels"].T.contiguous()
+            out: Batch | ViewsBatch
+            if views == 1:
+                out = Batch(normalise(b["images"]), observed, idx, clean, valid)
+            else:
+                out = ViewsBatch(normalise(b["images"]), normalise(b["images2"]), observed, idx,
+                                 clean, valid)
+            self.batches_done = step
+            yield type(out)(*(pinned(t) for t in out))
 
 
 # -- public constructors ----------------------------------------------------------------------
@@ -988,11 +1236,13 @@ def _make_loader(source: str | os.PathLike, label_view: LabelView | None, cfg: L
                  rank: int, world_size: int, epoch: int, start_batch: int, train: bool,
                  manifest: Manifest | None, ood_transform: OodTransform | None,
                  views: int = 1, drop: np.ndarray | None = None,
-                 keep_dropped: bool = False) -> ShardLoader:
+                 keep_dropped: bool = False,
+                 device: torch.device | str | None = None) -> ShardLoader:
     if views not in (1, 2):
         raise ValueError(f"views must be 1 or 2, got {views}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside [0, world_size={world_size})")
+    decode_device = resolve_decode(cfg, device)
     source = source if is_remote(source) else Path(source)
     manifest = manifest if manifest is not None else load_manifest(source, cfg=cfg)
     check_label_view(label_view, manifest, where=str(source))
@@ -1031,16 +1281,18 @@ def _make_loader(source: str | os.PathLike, label_view: LabelView | None, cfg: L
         num_samples=manifest.num_samples, cfg=cfg, train=train,
         shuffle_buffer=cfg.shuffle_buffer if train else 0,
         seed_parts=(cfg.seed, epoch, rank), ood_transform=ood_fn, views=views, drop=drop,
-        keep_dropped=keep_dropped)
+        keep_dropped=keep_dropped, device_decode=decode_device is not None)
     return ShardLoader(dataset=dataset, plan=plan, rank=rank, epoch=epoch, num_workers=workers,
-                       start_batch=start_batch, cfg=cfg, num_total=manifest.num_samples)
+                       start_batch=start_batch, cfg=cfg, num_total=manifest.num_samples,
+                       decode_device=decode_device)
 
 
 def make_train_loader(source: str | os.PathLike, label_view: LabelView | None,
                       cfg: LoaderConfig, *, rank: int, world_size: int, epoch: int,
                       start_batch: int = 0, manifest: Manifest | None = None,
                       ood_transform: OodTransform | None = None, views: int = 1,
-                      drop: np.ndarray | None = None, keep_dropped: bool = False) -> ShardLoader:
+                      drop: np.ndarray | None = None, keep_dropped: bool = False,
+                      device: torch.device | str | None = None) -> ShardLoader:
     """The training stream of one rank for one epoch (see the module docstring).
 
     source: a split directory, or a base URL (``http(s)://``, ``s3://``) of the split.
@@ -1056,61 +1308,88 @@ def make_train_loader(source: str | os.PathLike, label_view: LabelView | None,
       samples each shard keeps (needs the manifest's ``first_idx``). keep_dropped: their raw
       members are collected in ``loader.kept`` (:func:`decoded_batches` turns them into
       evaluation batches).
+    device: where ``cfg.decode`` "device"/"auto" decodes and augments the batches (their
+      images are on it); default: the current CUDA device, else the CPU.
     Raises ``ManifestError``/``ValueError`` before any batch if the shards, manifest and
     label view disagree.
     """
     return _make_loader(source, label_view, cfg, rank=rank, world_size=world_size, epoch=epoch,
                         start_batch=start_batch, train=True, manifest=manifest,
                         ood_transform=ood_transform, views=views, drop=drop,
-                        keep_dropped=keep_dropped)
+                        keep_dropped=keep_dropped, device=device)
 
 
 def make_eval_loader(source: str | os.PathLike, label_view: LabelView | None,
                      cfg: LoaderConfig, *, rank: int = 0, world_size: int = 1,
                      manifest: Manifest | None = None,
                      ood_transform: OodTransform | None = None,
-                     drop: np.ndarray | None = None) -> ShardLoader:
+                     drop: np.ndarray | None = None,
+                     device: torch.device | str | None = None) -> ShardLoader:
     """The evaluation stream of one rank: manifest shard order, no sample shuffle, the eval
     transform, and the same equal-batch guarantee (pad samples have ``valid=False``);
-    ``drop`` as for :func:`make_train_loader`."""
+    ``drop`` and ``device`` as for :func:`make_train_loader`."""
     return _make_loader(source, label_view, cfg, rank=rank, world_size=world_size, epoch=0,
                         start_batch=0, train=False, manifest=manifest,
-                        ood_transform=ood_transform, drop=drop)
+                        ood_transform=ood_transform, drop=drop, device=device)
 
 
 def decoded_batches(raw: list[dict], label_view: LabelView, cfg: LoaderConfig, *,
-                    batch_size: int, ood_transform: OodTransform | None = None
-                    ) -> Iterator[Batch]:
+                    batch_size: int, ood_transform: OodTransform | None = None,
+                    device: torch.device | str | None = None) -> Iterator[Batch]:
     """Evaluation batches (every sample ``valid``; the last one shorter) of raw samples a
     loader kept (``ShardLoader.kept``), in this process: the same decoding, labels, open-set
-    pixels, evaluation transform and normalisation as :func:`make_eval_loader` gives them."""
+    pixels, evaluation transform and normalisation as :func:`make_eval_loader` gives them
+    (decoded on ``device`` for ``cfg.decode`` "device"/"auto", as there)."""
     preset = get_preset(cfg.preset)
     state = _SlotState()
     ood = None if not label_view.ood.any() else label_view.ood
     seed = _ood_seed(cfg, label_view, ood)
-    samples = _decode(iter(raw), mode=preset.mode, num_samples=len(label_view), state=state)
-    samples = _apply_labels(samples, view=label_view)
-    samples = _apply_ood(samples, ood=ood, fn=_resolve_ood(label_view, ood_transform),
-                         seed=seed)
-    samples = _augment(samples, transform=build_sample_transform(cfg.preset, train=False),
-                       shape=preset.shape, preset=cfg.preset)
+    ood_fn = _resolve_ood(label_view, ood_transform)
+    decode_device = resolve_decode(cfg, device)
+    samples = _checked(iter(raw), num_samples=len(label_view), state=state)
+    if decode_device is None:
+        transform = SampleTransform(cfg.preset, train=False)
+        samples = _decode(samples, mode=preset.mode, state=state,
+                          draft=_draft_fn(cfg, transform))
+        samples = _apply_ood(samples, ood=ood, fn=ood_fn, seed=seed)
+        samples = _augment(samples, transform=transform, shape=preset.shape, preset=cfg.preset)
+        decoder = None
+    else:
+        samples = _payloads(samples, mode=preset.mode, state=state, ood=ood, ood_fn=ood_fn,
+                            ood_seed=seed)
+        decoder = DeviceDecoder(cfg.preset, train=False, device=decode_device)
     normalise = (build_batch_transform(cfg.preset) if cfg.normalize_on == "host"
                  else (lambda x: x))
+    if decoder is not None and isinstance(normalise, torch.nn.Module):
+        normalise = normalise.to(decode_device)
     items: list[dict] = []
 
-    def emit(items: list[dict]) -> Batch:
-        idx, observed, clean = torch.tensor([(s["idx"], s["observed"], s["clean"])
-                                             for s in items], dtype=torch.int64).T.contiguous()
-        return Batch(normalise(torch.stack([s["image"] for s in items])), observed, idx, clean,
-                     torch.ones(len(items), dtype=torch.bool))
+    def emit(items: list[dict]) -> Batch | None:
+        labels = _labels(items, label_view)
+        if decoder is None:
+            images = torch.stack([s["image"] for s in items])
+        else:
+            views, ok, counts = decoder([s["payload"] for s in items],
+                                        generator=torch.Generator().manual_seed(0))
+            state.stats.update(counts)
+            images, labels = views[0][ok.to(views[0].device)], labels[ok]
+            if not len(labels):
+                return None
+        idx, observed, clean = labels.T.contiguous()
+        return Batch(normalise(images), observed, idx, clean,
+                     torch.ones(len(labels), dtype=torch.bool))
 
     for s in samples:
         items.append(s)
         if len(items) == batch_size:
-            yield emit(items)
+            b = emit(items)
+            if b is not None:
+                yield b
             items = []
     if items:
-        yield emit(items)
-    if state.stats:
-        log.warning("%d kept samples did not decode: %s", sum(state.stats.values()),
-                    dict(state.stats))
+        b = emit(items)
+        if b is not None:
+            yield b
+    lost = {k: v for k, v in state.stats.items() if k != "decode_fallback" and v}
+    if lost:
+        log.warning("%d kept samples did not decode: %s", sum(lost.values()), lost)

@@ -116,6 +116,8 @@ class DistConfig:
         (SyncBatchNorm has no CPU kernel).
     export_model: rank 0 writes the classifier as a ``torch.export`` program to
         ``<run_dir>/models/<run_name>.pt2`` (and its ``.json``) at the run's end.
+    decode: where the shard loader decodes and augments images (``LoaderConfig.decode``:
+        "cpu", "device" on the worker's device, "auto").
     """
 
     run_name: str
@@ -142,6 +144,7 @@ class DistConfig:
     mlflow_tags: tuple[tuple[str, str], ...] = ()
     sync_bn: bool = False
     export_model: bool = False
+    decode: str = "cpu"
 
     @property
     def export_path(self) -> str:
@@ -270,9 +273,10 @@ def run_worker(run: RunConfig, dist: DistConfig, view: LabelView, store: Any,
                               s3_endpoint_url=dist.s3_endpoint_url,
                               # a GPU worker pins and copies uint8 pixels (4x fewer bytes)
                               # and normalises them on the device
-                              normalize_on="device" if cuda else "host")
+                              normalize_on="device" if cuda else "host", decode=dist.decode)
     data = ShardSource(train_source=dist.train_source, test_source=dist.test_source, view=view,
-                       loader_cfg=loader_cfg, rank=rank, world_size=ws, held_out=held_out)
+                       loader_cfg=loader_cfg, rank=rank, world_size=ws, held_out=held_out,
+                       device=session.device)
     chain = None
     if store is not None:
         # chain i > 0 draws from its own seed stream (two labelers step in lockstep)

@@ -117,8 +117,9 @@ class ShardSource:
 
     def __init__(self, *, train_source: str, test_source: str | None, view: LabelView,
                  loader_cfg: Any, rank: int, world_size: int,
-                 held_out: np.ndarray | None) -> None:
+                 held_out: np.ndarray | None, device: torch.device | str | None = None) -> None:
         self.train_source, self.test_source, self.view = train_source, test_source, view
+        self.device = device  # where LoaderConfig.decode "device"/"auto" decodes
         self.cfg, self.rank, self.world_size = loader_cfg, rank, world_size
         self.manifest = load_manifest(train_source, cfg=loader_cfg)
         if rank == 0:
@@ -152,7 +153,8 @@ class ShardSource:
         loader = make_train_loader(self.train_source, self.view, self.cfg, rank=self.rank,
                                    world_size=self.world_size, epoch=epoch,
                                    start_batch=start_batch, manifest=self.manifest,
-                                   views=views, drop=drop, keep_dropped=drop is not None)
+                                   views=views, drop=drop, keep_dropped=drop is not None,
+                                   device=self.device)
         if drop is None:
             return _ShardPass(loader, self.held_out)
         return _ShardPass(loader, None, on_end=self._keep_val)
@@ -162,7 +164,8 @@ class ShardSource:
 
     def _train_eval(self, drop: np.ndarray | None = None) -> Any:
         return make_eval_loader(self.train_source, self.view, self.cfg, rank=self.rank,
-                                world_size=self.world_size, manifest=self.manifest, drop=drop)
+                                world_size=self.world_size, manifest=self.manifest, drop=drop,
+                                device=self.device)
 
     def train_eval_batches(self) -> Iterable[Any]:
         if self.drop_early:
@@ -178,7 +181,8 @@ class ShardSource:
             return None
         if self._val_raw is not None:
             return (b._replace(clean=b.observed) for b in decoded_batches(
-                self._val_raw, self.view, self.cfg, batch_size=self.cfg.batch_size))
+                self._val_raw, self.view, self.cfg, batch_size=self.cfg.batch_size,
+                device=self.device))
         return _held_out_only(self._train_eval(), self._held_t)
 
     def test_batches(self) -> Iterable[Any] | None:
@@ -191,4 +195,5 @@ class ShardSource:
         if self.rank >= ranks:
             return []
         return make_eval_loader(self.test_source, None, self.cfg, rank=self.rank,
-                                world_size=ranks, manifest=self.test_manifest)
+                                world_size=ranks, manifest=self.test_manifest,
+                                device=self.device)
