@@ -356,12 +356,13 @@ def test_memorisation_epoch_watches_the_decayed_rate_and_needs_patience():
         LCCNConfig(guard_targets="soft")
 
 
-def test_overfit_epoch_needs_the_training_fit_to_improve_as_the_held_out_fit_worsens():
+def test_overfit_epoch_needs_the_training_fit_to_run_ahead_of_the_held_out_fit():
     """The default trigger (LCCNConfig.guard_rise): at a rate below the noise phase's first,
-    the held-out loss of the observed labels more than ``rise`` x the labels' entropy above
-    its lowest while the training loss is below its value then. Swings at the first rate are not watched; a
-    held-out loss that rises together with the training loss (the classifier moving away
-    from labels it now calls wrong, on both splits) is not memorising."""
+    a held-out loss of the observed labels above its lowest with the gap to the training
+    loss widened by more than ``rise`` x the labels' entropy since that lowest epoch.
+    Swings at the first rate are not watched; a new held-out low never fires; both losses
+    rising together (the classifier moving away from labels it now calls wrong, on both
+    splits) does not widen the gap."""
     from pipeline.core.monitor import overfit_epoch
 
     def rows(held, fit, lrs, first=0):
@@ -370,22 +371,29 @@ def test_overfit_epoch_needs_the_training_fit_to_improve_as_the_held_out_fit_wor
                 for i, (h, f, lr) in enumerate(zip(held, fit, lrs))]
 
     lrs = [0.1] * 4 + [0.01] * 6
-    # the stress protocol's shape: a 40% swing at lr 0.1, then the held-out loss turns up
+    # the stress protocol's shape: a 40% swing at lr 0.1, then the held-out loss flattens
+    # while the training loss falls
     held = [1.60, 2.25, 1.55, 1.80, 1.30, 1.29, 1.30, 1.31, 1.36, 1.45]
-    fit = [1.40, 1.30, 1.20, 1.10, 0.80, 0.70, 0.62, 0.55, 0.50, 0.45]
-    assert overfit_epoch(rows(held, fit, lrs), first_epoch=0, rise=0.01) == 7   # 1.31 > 1.305
-    assert overfit_epoch(rows(held, fit, lrs), first_epoch=0, rise=0.02) == 8   # 1.36 > 1.32
-    assert overfit_epoch(rows(held, fit, lrs), first_epoch=0, rise=0.2) is None
-    # the fidelity protocol's shape: a plateau with wobbles of 0.006 never fires at 0.015
+    fit = [1.40, 1.30, 1.20, 1.10, 0.80, 0.70, 0.68, 0.55, 0.50, 0.45]
+    # lowest at epoch 5 (gap 0.59); epoch 6: gap 0.62 (+0.03), epoch 7: 0.76 (+0.17)
+    assert overfit_epoch(rows(held, fit, lrs), first_epoch=0, rise=0.01) == 6   # > 0.015
+    assert overfit_epoch(rows(held, fit, lrs), first_epoch=0, rise=0.02) == 7   # > 0.03
+    assert overfit_epoch(rows(held, fit, lrs), first_epoch=0, rise=0.3) is None   # 0.41
+    # the fidelity protocol's shape: the held-out loss creeps down with wobbles while the
+    # training loss creeps down as well: the gap stays within 0.01
     flat = [2.0] * 4 + [1.210, 1.200, 1.190, 1.196, 1.185, 1.190]
-    assert overfit_epoch(rows(flat, fit, lrs), first_epoch=0, rise=0.01) is None
-    # both losses rising together: not memorising
-    up = [1.40, 1.30, 1.20, 1.10, 0.80, 0.82, 0.85, 0.88, 0.92, 0.95]
+    flat_fit = [2.0] * 4 + [1.190, 1.180, 1.172, 1.175, 1.168, 1.170]
+    assert overfit_epoch(rows(flat, flat_fit, lrs), first_epoch=0, rise=0.01) is None
+    # both losses rising together: the gap does not widen
+    up = [h - 0.5 for h in held]
     assert overfit_epoch(rows(held, up, lrs), first_epoch=0, rise=0.01) is None
+    # a training loss that collapses while the held-out loss keeps setting new lows: not
+    down = [2.0] * 4 + [1.30, 1.25, 1.20, 1.15, 1.10, 1.05]
+    assert overfit_epoch(rows(down, [0.1] * 10, lrs), first_epoch=0, rise=0.01) is None
     # the CE epochs before first_epoch are not the phase; a constant rate is never watched;
     # NaN (no validation split) never counts
     ce_first = rows([9.0, 9.0] + held, [9.0, 9.0] + fit, [0.5, 0.5] + lrs)
-    assert overfit_epoch(ce_first, first_epoch=2, rise=0.01) == 9
+    assert overfit_epoch(ce_first, first_epoch=2, rise=0.02) == 9
     assert overfit_epoch(rows(held, fit, [0.1] * 10), first_epoch=0, rise=0.01) is None
     nan = [math.nan] * 10
     assert overfit_epoch(rows(nan, fit, lrs), first_epoch=0, rise=0.0) is None

@@ -882,8 +882,7 @@ def test_the_teacher_is_the_network_of_the_best_noisy_validation_epoch_so_far(mo
 def test_the_guard_stays_off_on_a_run_that_does_not_memorise(capsys):
     """A real run (digits, 40% pair flips, weight decay, lr 0.05 -> 0.005 after epoch 4):
     the classifier keeps fitting held-out labels as well as it fits its own, the guard
-    watches epochs 5-8 and never switches (measured: the held-out loss of the observed
-    labels ends within 0.2% of H(observed) of its lowest)."""
+    watches epochs 5-8 and never switches."""
     xtr, ytr, xte, yte = _digits()
     view = pair_flip(ytr, 10, CIFAR10_ASYM_MAP, 0.4, seed=0)
     cfg = replace(_short_cfg(), val_fraction=0.1,
@@ -893,8 +892,8 @@ def test_the_guard_stays_off_on_a_run_that_does_not_memorise(capsys):
     watched = [r for r in rows[2:] if r["lr"] < rows[2]["lr"]]
     assert len(watched) == 4
     assert all(r["guarded"] == 0.0 for r in rows), [r["val_observed_loss"] for r in rows]
-    low = min(r["val_observed_loss"] for r in watched)
-    assert all(r["val_observed_loss"] < low + 0.01 * r["label_entropy"] for r in watched)
+    gaps = [r["val_observed_loss"] - r["observed_loss"] for r in watched]
+    assert max(gaps) - min(gaps) < 0.05 * watched[0]["label_entropy"], gaps
     shares = np.bincount(view.observed, minlength=10) / len(view)
     assert rows[-1]["label_entropy"] == pytest.approx(-(shares * np.log(shares)).sum(), abs=0.01)
     assert "memorisation guard" not in capsys.readouterr().out
@@ -902,14 +901,14 @@ def test_the_guard_stays_off_on_a_run_that_does_not_memorise(capsys):
 
 def test_the_rise_trigger_switches_targets_and_prior_and_keeps_the_teacher(monkeypatch,
                                                                             capsys):
-    """LCCNConfig.guard_rise (default 0.01): the first epoch after the lr decay whose held-out
-    loss of the observed labels is more than 0.01 x H(observed) above its lowest while the
-    training loss fell switches the rest of the run to sampled targets and the anchored
-    prior; the teacher goes on choosing by noisy validation accuracy. Scripted held-out
-    losses; the training pass is real (its loss falls)."""
+    """LCCNConfig.guard_rise (default 0.05): the first epoch after the lr decay whose held-out
+    loss of the observed labels is above its lowest with the gap to the training loss
+    widened by more than 0.05 x H(observed) since switches the rest of the run to sampled
+    targets and the anchored prior; the teacher goes on choosing by noisy validation
+    accuracy. Scripted held-out losses; the training pass is real (its loss falls)."""
     from pipeline.train.engine import Engine
 
-    held = [2.0, 1.5, 1.6, 1.2, 1.19, 1.25, 1.3, 1.3]     # by epoch scored; lr decays at 3
+    held = [2.0, 1.5, 1.6, 1.2, 1.19, 1.35, 1.4, 1.4]     # by epoch scored; lr decays at 3
     top1 = [0.5, 0.55, 0.5, 0.6, 0.62, 0.58, 0.56, 0.55]
     monkeypatch.setattr(Engine, "val_scores", lambda self: {
         "top1": top1[len(self.history)], "nll": 1.0, "nll_plain": held[len(self.history)]})
@@ -921,7 +920,8 @@ def test_the_rise_trigger_switches_targets_and_prior_and_keeps_the_teacher(monke
     trainer = LocalTrainer(cfg, TensorData(xtr, view), TensorData(xte, clean_view(yte)))
     rows = trainer.fit()
     assert rows[5]["observed_loss"] < rows[4]["observed_loss"], [r["observed_loss"] for r in rows]
-    # watched from epoch 3 (lr 0.005): lowest 1.19 at 4, 1.25 > 1.19 + 0.023 at 5
+    # watched from epoch 3 (lr 0.005): lowest 1.19 at 4; at 5 the held-out loss is up 0.16
+    # and the training loss down, a gap wider by more than 0.05 x 2.25
     assert [r["guarded"] for r in rows] == [0.0] * 6 + [1.0] * 2
     method = trainer.method
     assert method.guarded_at == 5 and method.labeler.cfg.targets == "sample"
@@ -929,9 +929,10 @@ def test_the_rise_trigger_switches_targets_and_prior_and_keeps_the_teacher(monke
     torch.testing.assert_close(method.labeler.alpha, 1.0 + n_counted / 10 * method.phi_init)
     assert [r["teacher_epoch"] for r in rows] == [-1, -1, -1, 1, -1, -1, 4, 4]
     out = capsys.readouterr().out
-    assert ("memorisation guard: the held-out loss of the observed labels rose more than "
-            "0.01 x their entropy above its lowest while the training loss fell (epoch 6); "
-            "from epoch 7 on LCCN trains on sample targets with prior_strength 1") in out
+    assert ("memorisation guard: the held-out loss of the observed labels stopped falling "
+            "while its gap to the training loss widened by more than 0.05 x their entropy "
+            "(epoch 6); from epoch 7 on LCCN trains on sample targets with prior_strength 1"
+            ) in out
 
 
 def test_the_run_exports_its_selected_epochs_classifier_and_its_final_one_beside_it(

@@ -132,11 +132,12 @@ def overfit_epoch(history: Sequence[Mapping[str, float]], *, first_epoch: int,
     ``first_epoch`` on whose learning rate is below that of the row of ``first_epoch`` (at
     the phase's first rate the held-out loss swings by tens of percent from one epoch to
     the next, with no trend). The answer is the first watched epoch whose held-out loss
-    exceeds the lowest of the watched epochs before it by more than ``rise x
-    label_entropy`` while its training loss is below that epoch's: the fit of the training
-    labels improves and the fit of labels from the same distribution on images never
-    trained on worsens, so what is learned is the training images' own labels. No estimate
-    of the noise enters. NaN losses (no validation split) never count."""
+    is above the lowest of the watched epochs before it while the gap between its held-out
+    and its training loss has widened by more than ``rise x label_entropy`` since that
+    lowest epoch: the fit of the training labels improves and the fit of labels from the
+    same distribution on images never trained on does not, so what is learned is the
+    training images' own labels. No estimate of the noise enters. NaN losses (no
+    validation split) never count."""
     lr0: float | None = None
     low: tuple[float, float] | None = None  # (held-out, training) loss at the lowest held-out
     for r in history:
@@ -152,7 +153,8 @@ def overfit_epoch(history: Sequence[Mapping[str, float]], *, first_epoch: int,
         scale = float(r.get("label_entropy", math.nan))
         if math.isnan(held):
             continue
-        if low is not None and held > low[0] + rise * scale and fit < low[1]:  # NaN: False
+        if low is not None and held > low[0] and \
+                (held - fit) - (low[0] - low[1]) > rise * scale:  # NaN: False
             return int(r["epoch"])
         if low is None or held < low[0]:
             low = (held, fit)

@@ -164,9 +164,9 @@ class LCCN(Method):
         rise = (overfit_epoch(hist, first_epoch=first, rise=lc.guard_rise)
                 if lc.guard_rise > 0 else None)
         fired = sorted(
-            ([(rise, f"the held-out loss of the observed labels rose more than "
-                     f"{lc.guard_rise:g} x their entropy above its lowest while the training "
-                     f"loss fell (epoch {rise + 1})")] if rise is not None else [])
+            ([(rise, f"the held-out loss of the observed labels stopped falling while its "
+                     f"gap to the training loss widened by more than {lc.guard_rise:g} x "
+                     f"their entropy (epoch {rise + 1})")] if rise is not None else [])
             + ([(val, f"the noisy validation accuracy has been more than {lc.guard_drop:g} "
                       f"below its best for {lc.guard_patience} epochs (to epoch {val + 1})")]
                if val is not None else [])
