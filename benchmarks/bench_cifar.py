@@ -155,6 +155,14 @@ def get_args_parser() -> argparse.ArgumentParser:
                         "pre-training here")
     p.add_argument("--pretrain-wait", type=float, default=7200.0,
                    help="seconds to wait for --pretrain-from before giving up")
+    p.add_argument("--train-offset", type=int, default=0,
+                   help="take each class's images from this file number on (a subset "
+                        "disjoint from another run's: the pretrained-backbone case)")
+    p.add_argument("--init-from", type=Path, default=None,
+                   help="start every network from this model state_dict (--save-model of "
+                        "another run: fine-tuning from a network trained elsewhere)")
+    p.add_argument("--save-model", type=Path, default=None,
+                   help="with --methods ce: write the CE model's final state_dict here")
     p.add_argument("--report-state", type=Path, default=None,
                    help="with LCCN: write the label-issue report's inputs (the averaged "
                         "posteriors, the held-out predictions, the chain and the clean "
@@ -205,10 +213,12 @@ def load_data(args: argparse.Namespace) -> Cifar:
     tar = args.data / "cifar10-jpeg.tar.gz"
     t0 = time.perf_counter()
     arrays = load_cifar10(tar, cache_dir=args.cache)
-    per = args.train_size // 10
-    keep = np.concatenate([np.flatnonzero(arrays.train_y == c)[:per] for c in range(10)])
+    per, off = args.train_size // 10, args.train_offset
+    keep = np.concatenate([np.flatnonzero(arrays.train_y == c)[off:off + per]
+                           for c in range(10)])
     if keep.size != 10 * per:
-        raise ValueError(f"--train-size {args.train_size}: CIFAR-10 has 5,000 per class")
+        raise ValueError(f"--train-size {args.train_size} from --train-offset {off}: CIFAR-10 "
+                         f"has 5,000 per class")
     mean, std = channel_stats(arrays.train_x[keep])
     features = None
     if args.normalise == "image":  # pad with black, crop, flip, then standardise each image
@@ -363,6 +373,8 @@ def fit_pair(args: argparse.Namespace, cfg_ce: RunConfig, cfg_lccn: RunConfig,
         if "ce" not in args.methods:  # only the pre-training of CE is needed
             cfg_ce = replace(cfg_ce, optim=replace(cfg_ce.optim, epochs=p))
         ce = LocalTrainer(cfg_ce, train, test, device=args.device, normalize=normalize)
+        if args.init_from is not None:
+            ce.model.load_state_dict(torch.load(args.init_from, map_location="cpu"))
         _set_schedule(args, ce, offset=0)
         show_ce = _show("ce", e_total)
         t0 = time.perf_counter()
@@ -384,6 +396,9 @@ def fit_pair(args: argparse.Namespace, cfg_ce: RunConfig, cfg_lccn: RunConfig,
                                                            key=_run_key(args)))
 
         hist_ce = ce.fit(on_epoch=on_epoch)
+        if args.save_model is not None:
+            args.save_model.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(ce.model.state_dict(), args.save_model)
         if "ce" in args.methods:
             out["ce"] = {"history": hist_ce, "wall_s": time.perf_counter() - t0,
                          "config": asdict(cfg_ce)}
@@ -473,7 +488,7 @@ def _use_true_transition(lc: LocalTrainer) -> None:
 
 
 _KEY_DEFAULTS = {"bn_momentum": None, "normalise": "channel", "augment": "cropflip",
-                 "weight_decay": 5e-4}
+                 "weight_decay": 5e-4, "train_offset": 0, "init_from": None}
 
 
 def _run_key(args: argparse.Namespace) -> dict:
@@ -485,7 +500,8 @@ def _run_key(args: argparse.Namespace) -> dict:
             "ema_decay": args.ema_decay, "norm_weight_decay": args.norm_weight_decay,
             "bn_momentum": args.bn_momentum, "normalise": args.normalise,
             "restart": args.restart, "augment": args.augment,
-            "weight_decay": args.weight_decay}
+            "weight_decay": args.weight_decay, "train_offset": args.train_offset,
+            "init_from": None if args.init_from is None else args.init_from.name}
 
 
 def _save_pretrain(path: Path, snap: dict) -> None:
@@ -537,19 +553,29 @@ def regime(entry: dict, floor: float, start: int = 0) -> dict:
 
 # the folders a result's command line names by role, not by the machine's path
 _FOLDERS = {"--data": "DATA", "--out": "OUT", "--cache": "CACHE"}
+# the files a result's command line names by role and file name
+_FILES = {"--pretrain-out": "PRE", "--pretrain-from": "PRE", "--report-state": "OUT",
+          "--init-from": "MODELS", "--save-model": "MODELS"}
 
 
 def recorded_argv(argv: list[str]) -> list[str]:
     """The command line as a result records it: the folders of ``--data``, ``--out`` and
-    ``--cache`` written ``DATA``, ``OUT``, ``CACHE`` (they are the machine's, not part of
-    the protocol)."""
+    ``--cache`` written ``DATA``, ``OUT``, ``CACHE``, and the files of the state and model
+    options as their role and name (``PRE/mem-random1-0.pt``): they are the machine's, not
+    part of the protocol."""
+    def said(flag: str, value: str) -> str:
+        if flag in _FOLDERS:
+            return _FOLDERS[flag]
+        return f"{_FILES[flag]}/{Path(value).name}"
+
+    known = {**_FOLDERS, **_FILES}
     out: list[str] = []
     for i, a in enumerate(argv):
-        flag, eq, _ = a.partition("=")
-        if i and argv[i - 1] in _FOLDERS:
-            out.append(_FOLDERS[argv[i - 1]])
-        elif eq and flag in _FOLDERS:
-            out.append(f"{flag}={_FOLDERS[flag]}")
+        flag, eq, value = a.partition("=")
+        if i and argv[i - 1] in known:
+            out.append(said(argv[i - 1], a))
+        elif eq and flag in known:
+            out.append(f"{flag}={said(flag, value)}")
         else:
             out.append(a)
     return out

@@ -269,6 +269,9 @@ def test_memorisation_flags_reach_the_trainer_and_the_regime_is_reported(bench, 
     assert r["argv"][:6] == ["--data", "DATA", "--cache", "CACHE", "--out", "OUT"]
     assert bench["recorded_argv"](["--data=/x/y", "--seeds", "0", "--out=/o"]) == [
         "--data=DATA", "--seeds", "0", "--out=OUT"]
+    assert bench["recorded_argv"](["--pretrain-from", "/tmp/x/mem-random1-0.pt",
+                                   "--init-from=/m/clean.pt"]) == [
+        "--pretrain-from", "PRE/mem-random1-0.pt", "--init-from=MODELS/clean.pt"]
 
 
 def test_regime_flags_a_run_that_memorises(bench):
