@@ -173,7 +173,7 @@ def train_run(root: Path, name: str, *, extra: list[str] | None = None,
               fault: dict | None = None, kill: list[tuple[int, str]] | None = None) -> dict:
     """One quickstart run under ``root``; returns what the table needs."""
     from pipeline.core.confusion_store import ConfusionStore
-    from pipeline.dist.ray_train import fit_distributed
+    from pipeline.cluster.ray_train import fit_distributed
     from pipeline.train.checkpoints import load_state
 
     args = quickstart_ray.get_args_parser().parse_args(
@@ -213,7 +213,7 @@ def train_run(root: Path, name: str, *, extra: list[str] | None = None,
 def training_rows(tmp: Path) -> list[Row]:
     import ray
 
-    from pipeline.dist.ray_train import init_ray
+    from pipeline.cluster.ray_train import init_ray
 
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     init_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -325,9 +325,9 @@ def local_run(shards: Path, run_dir: Path) -> tuple[list[dict], Any]:
     import torch
 
     from pipeline.core.config import LCCNConfig, ModelConfig, OptimConfig, RunConfig
-    from pipeline.dist.ray_train import initial_assignment_placeholder
-    from pipeline.dist.store_actor import LocalStoreClient, StoreActor
-    from pipeline.dist.worker import DistConfig, LocalSession, run_worker
+    from pipeline.cluster.ray_train import initial_assignment_placeholder
+    from pipeline.cluster.store_actor import LocalStoreClient, StoreActor
+    from pipeline.cluster.worker import DistConfig, LocalSession, run_worker
     from shards.labelview import build_view
 
     view = build_view(shards / "train", {"kind": "asymmetric", "rate": 0.4, "seed": 0})

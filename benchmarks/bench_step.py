@@ -51,7 +51,7 @@ from pipeline.core.config import LCCNConfig  # noqa: E402
 from pipeline.core.confusion_store import ConfusionStore  # noqa: E402
 from pipeline.core.options import add_options
 from pipeline.core.warmup import smoothed_identity  # noqa: E402
-from pipeline.dist.store_actor import ActorStoreClient, StoreActor  # noqa: E402
+from pipeline.cluster.store_actor import ActorStoreClient, StoreActor  # noqa: E402
 from pipeline.train.labeler import GibbsLabeler  # noqa: E402
 from pipeline.train.loop import train_one_epoch  # noqa: E402
 from pipeline.train.models import build_model  # noqa: E402
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     images = load_images(args.inputs, args.data, 8 * args.batch, seed=args.seed)
-    from pipeline.dist.ray_train import init_ray  # local Ray bound to 127.0.0.1
+    from pipeline.cluster.ray_train import init_ray  # local Ray bound to 127.0.0.1
 
     init_ray(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
     tables = []

@@ -53,7 +53,7 @@ from pipeline.core.options import (
 )
 from pipeline.data.manifest import Manifest
 from pipeline.data.stream import check_label_view, check_splits
-from pipeline.dist.worker import DistConfig
+from pipeline.cluster.worker import DistConfig
 from pipeline.track.tracking import (
     add_tracking_options,
     tracking_access_problem,
@@ -795,8 +795,8 @@ def connect_ray() -> bool:
     """Connect to the cluster at ``RAY_ADDRESS`` (set by ``ray job submit``) or, without
     it, start a local Ray instance bound to 127.0.0.1 (``address="local"``: never attach to
     some other cluster found through ``/tmp/ray/ray_current_cluster``). No-op when already
-    connected; returns whether this call connected (:func:`pipeline.dist.ray_train.init_ray`)."""
-    from pipeline.dist.ray_train import init_ray
+    connected; returns whether this call connected (:func:`pipeline.cluster.ray_train.init_ray`)."""
+    from pipeline.cluster.ray_train import init_ray
 
     return init_ray()
 
@@ -841,7 +841,7 @@ def run_job(args: argparse.Namespace, *, job: str, run: RunConfig, dist: DistCon
     trainer (a sweep trial's report to Tune)."""
     import ray
 
-    from pipeline.dist.ray_train import fit_distributed
+    from pipeline.cluster.ray_train import fit_distributed
     from pipeline.train.checkpoints import resume_problem
 
     problem = resume_problem(run, dist) or tracking_access_problem(dist.tracking_uri)

@@ -27,9 +27,9 @@ from pipeline.core.config import (
 from pipeline.core.confusion import count_matrix
 from pipeline.core.confusion_store import ConfusionStore
 from pipeline.core.monitor import CollapseWarning
-from pipeline.dist.ray_train import initial_assignment_placeholder
-from pipeline.dist.store_actor import FenceError, LocalStoreClient, StoreActor
-from pipeline.dist.worker import DistConfig, LocalSession, parse_failures, run_worker
+from pipeline.cluster.ray_train import initial_assignment_placeholder
+from pipeline.cluster.store_actor import FenceError, LocalStoreClient, StoreActor
+from pipeline.cluster.worker import DistConfig, LocalSession, parse_failures, run_worker
 from pipeline.train.labeler import GibbsLabeler
 from pipeline.train.sources import held_out_mask
 
@@ -620,7 +620,7 @@ def ray_cluster():
     key = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"  # read by the Train controller: detect failures fast
     old = os.environ.get(key)
     os.environ[key] = "0.5"
-    from pipeline.dist.ray_train import init_ray
+    from pipeline.cluster.ray_train import init_ray
 
     started = init_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
@@ -933,7 +933,7 @@ def test_a_run_in_object_storage_killed_mid_epoch_resumes_bit_identical(ray_clus
 def test_packed_wire_format_round_trips_a_push():
     """The Ray client sends numpy arrays (push_packed) and rebuilds a Sync from the reply:
     the other worker's moves, and the whole z on request."""
-    from pipeline.dist.store_actor import StoreActor, unpack_sync
+    from pipeline.cluster.store_actor import StoreActor, unpack_sync
 
     obs = torch.tensor([0, 1, 2, 0, 1, 2])
     a, b = StoreActor(obs, obs.clone(), 3, 3), StoreActor(obs, obs.clone(), 3, 3)
@@ -958,7 +958,7 @@ def test_each_worker_reserves_its_cpus_with_a_gpu_too():
     """--cpus-per-worker reaches Ray's reservation with --gpu as without (it was dropped
     with a GPU: 1 CPU per worker for 8 decode processes)."""
     ray_train = pytest.importorskip("ray.train")
-    from pipeline.dist.ray_train import worker_resources
+    from pipeline.cluster.ray_train import worker_resources
 
     assert worker_resources(True, 10) == {"CPU": 10.0, "GPU": 1.0}
     assert worker_resources(False, 2) == {"CPU": 2.0}
@@ -977,7 +977,7 @@ def test_a_worker_dead_at_its_groups_start_resubmits_the_run_within_max_failures
     import ray.exceptions
     import ray.train
 
-    from pipeline.dist.ray_train import died_while_starting, fit_resubmitting
+    from pipeline.cluster.ray_train import died_while_starting, fit_resubmitting
 
     dead = ray.train.ControllerError(ray.exceptions.ActorDiedError())
     other = ray.train.ControllerError(ValueError("a bad scaling config"))

@@ -229,7 +229,7 @@ def test_lr_values_become_the_phase_learning_rates(tmp_path):
     """--lr-values 0.5 0.1 0.01 with milestones 40 80 gives exactly those rates."""
     import torch
 
-    from pipeline.dist.worker import DistConfig, _scheduler
+    from pipeline.cluster.worker import DistConfig, _scheduler
 
     args, run = _configs(cifar_lccn, ["--data", "/x"])
     dist = DistConfig(run_name="r", run_dir=str(tmp_path), train_source=str(tmp_path),
@@ -478,7 +478,7 @@ def test_quickstart_closes_with_lccn_beside_ce_and_the_mlflow_command():
 
 
 def test_progress_line_per_epoch():
-    from pipeline.dist.ray_train import progress_line
+    from pipeline.cluster.ray_train import progress_line
 
     row = {"epoch": 9.0, "loss": 0.25, "val_top1": 0.7, "test_top1": 0.9,
            "label_recovery": 0.95, "transition_error": float("nan"), "epoch_time": 4.04}
@@ -776,7 +776,7 @@ def test_sync_bn_converts_the_batch_norm_layers_in_place_keeping_the_parameters(
     import ray.train.torch
     import torch
 
-    from pipeline.dist.ray_train import RaySession
+    from pipeline.cluster.ray_train import RaySession
     from pipeline.train.models import build_model
 
     model = build_model("cnn_wide", 10)

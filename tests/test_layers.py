@@ -20,7 +20,7 @@ TOPS = ("pipeline", "shards", "tune", "jobs")
 
 # bottom to top: a package may import its own modules and those of the layers below it
 LAYERS = ("pipeline.core", "pipeline.data", "pipeline.track", "pipeline.train",
-          "pipeline.dist", "shards", "tune", "jobs")
+          "pipeline.cluster", "shards", "tune", "jobs")
 
 # (importing module, imported module): the only project imports that stay inside a
 # function, each for an optional dependency a GPU node may lack
@@ -30,7 +30,7 @@ LAZY_ALLOWED = {
 
 # third-party packages only some layers may import (at any depth)
 RESTRICTED = {
-    "ray": ("pipeline.dist", "tune", "jobs"),
+    "ray": ("pipeline.cluster", "tune", "jobs"),
     "mlflow": ("pipeline.track", "tune", "jobs"),
     "webdataset": ("pipeline.data",),
 }

@@ -193,7 +193,7 @@ def test_learned_transition_is_checkpointed_and_resumed_exactly(method, epochs, 
     epoch (S-adaptation: step 30 of 38, resumed from step 28; T-Revision: step 50 of 57, in
     the revision stage, resumed from step 49) and resumes ends with the same network,
     transition layer (slack) and optimiser state as the uninterrupted run."""
-    from pipeline.dist.worker import DistConfig, LocalSession, run_worker
+    from pipeline.cluster.worker import DistConfig, LocalSession, run_worker
     from pipeline.train.checkpoints import load_state
 
     train, test, view = digits_shards
@@ -257,7 +257,7 @@ def _layer(weight: torch.Tensor) -> SAdaptation:
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray = pytest.importorskip("ray")
-    from pipeline.dist.ray_train import init_ray
+    from pipeline.cluster.ray_train import init_ray
 
     started = init_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray

@@ -349,7 +349,7 @@ def test_uris_are_shown_without_their_password():
 def test_a_distributed_runs_parameters_never_carry_the_trackings_password(server):
     """A Train worker logs its DistConfig as parameters: tracked on a real server through a
     URI with ``user:secret@``, the run's parameters show ``user:***@`` and no password."""
-    from pipeline.dist.worker import DistConfig, _public
+    from pipeline.cluster.worker import DistConfig, _public
 
     base = server.wait()
     uri = base.replace("://", "://user:secret@", 1)

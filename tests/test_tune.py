@@ -316,7 +316,7 @@ def test_orphaned_placement_groups_are_released_and_others_kept():
     import ray
     from ray.util.placement_group import placement_group, placement_group_table
 
-    from pipeline.dist.ray_train import init_ray, release_orphaned_placement_groups
+    from pipeline.cluster.ray_train import init_ray, release_orphaned_placement_groups
 
     @ray.remote(num_cpus=0)
     class Maker:

@@ -55,7 +55,7 @@ from pipeline.core import storage
 from pipeline.core.cli import run_location
 from pipeline.core.config import RunConfig
 from pipeline.core.options import apply_point
-from pipeline.dist.ray_train import release_orphaned_placement_groups
+from pipeline.cluster.ray_train import release_orphaned_placement_groups
 from pipeline.track import plots
 from pipeline.track.tracking import Tracker, add_tracking_options, tracking_uri_of
 from pipeline.track.uris import redact_args, redact_uri
@@ -361,7 +361,7 @@ class ReleasePlacementGroups(Callback):
     """Tune callback of the driver: every few seconds and when a trial ends, remove the
     placement groups of Train runs whose controller was killed with its trial (a trial ASHA
     stopped), so that their CPUs/GPUs go to the next trial
-    (:func:`pipeline.dist.ray_train.release_orphaned_placement_groups`)."""
+    (:func:`pipeline.cluster.ray_train.release_orphaned_placement_groups`)."""
 
     def __init__(self, every_s: float = 5.0) -> None:
         self.every_s, self.last = every_s, 0.0

@@ -22,7 +22,7 @@ folders Ray does not manage (:func:`prune_checkpoints`).
 
 Worker (:func:`train_loop_per_worker`): rebuilds the configs from their ``asdict`` form,
 reads rank and world size from ``ray.train.get_context()`` into a :class:`RaySession`, gets
-the actor by name and runs :func:`pipeline.dist.worker.run_worker`.
+the actor by name and runs :func:`pipeline.cluster.worker.run_worker`.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from pipeline.core.config import RunConfig, from_dict
 from pipeline.core.confusion_store import ConfusionStore
 from pipeline.core.labels import LabelView
 from pipeline.core.storage import Location
-from pipeline.dist.store_actor import ActorStoreClient, create_store_actor, store_actor_name
-from pipeline.dist.worker import DistConfig, run_worker
+from pipeline.cluster.store_actor import ActorStoreClient, create_store_actor, store_actor_name
+from pipeline.cluster.worker import DistConfig, run_worker
 from pipeline.train.checkpoints import (
     checkpoint_step,
     load_state,
