@@ -242,7 +242,7 @@ def progress_line(row: dict[str, float], *, run_name: str, epochs: int,
     import math
 
     e = int(row.get("epoch", -1)) + 1
-    phase = "ce" if method == "ce" or e <= pretrain_epochs else method
+    phase = "ce" if e <= pretrain_epochs else method
     vals = "  ".join(f"{k} {row[k]:.3f}" for k in PROGRESS_KEYS
                      if isinstance(row.get(k), float) and math.isfinite(row[k]))
     took = f"  {row['epoch_time']:.1f} s" if "epoch_time" in row else ""
@@ -491,10 +491,10 @@ def fit_distributed(run: RunConfig, dist: DistConfig, view: LabelView, *,
     init_ray()
 
     k = view.num_classes
-    k_latent = k + 1 if (run.method == "lccn" and run.lccn.outlier) else k
+    method = get_method(run.method)
+    k_latent = method.latent_classes(run, k)
     handles: list[Any] = []
     name: str | list[str] | None = None
-    method = get_method(run.method)
     if method.needs_chain:
         z_init, counted = initial_assignment_placeholder(view, run)
         # one actor per chain (DivideLCCN: one per network), each with its own fence

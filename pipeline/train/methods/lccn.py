@@ -108,8 +108,13 @@ class LCCN(Method):
         self.report = accumulator_for(run, engine, k_latent=self.num_outputs())
         self.windows = [w for w in (self.outlier_mean, self.report) if w is not None]
 
-    def num_outputs(self) -> int:
-        return self.num_classes + 1 if self.cfg.outlier else self.num_classes
+    @classmethod
+    def latent_classes(cls, run, num_classes: int) -> int:
+        return num_classes + 1 if run.lccn.outlier else num_classes
+
+    @classmethod
+    def names_samples(cls, run) -> bool:
+        return run.lccn.outlier  # outliers.csv
 
     def in_noise_phase(self, epoch: int) -> bool:
         return epoch >= self.run.optim.pretrain_epochs
