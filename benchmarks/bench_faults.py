@@ -49,12 +49,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "jobs"))
+from lccn_jobs import digits as quickstart_ray
+from lccn_jobs import driver
+from lccn_jobs.configs import prepare
+from lccn_jobs.sources import manifest_classes
 
-import common  # noqa: E402
-import quickstart_ray  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 EPOCHS, PRETRAIN, CKPT_EVERY, WORKERS = 4, 1, 8, 2
 TRAIN_ARGS = ["--epochs", str(EPOCHS), "--pretrain-epochs", str(PRETRAIN), "--batch-size",
@@ -178,14 +178,14 @@ def train_run(root: Path, name: str, *, extra: list[str] | None = None,
 
     args = quickstart_ray.get_args_parser().parse_args(
         ["--run-dir", str(root), "--run-name", name, *TRAIN_ARGS, *(extra or [])])
-    common.prepare(args, job=quickstart_ray.JOB, preset=quickstart_ray.PRESET)
+    cfg, _ = prepare(args, job=quickstart_ray.JOB, dataset=quickstart_ray.DATASET)
     data = root / "data"
     train, test = quickstart_ray.write_digits_shards(data, seed=args.seed)
     view = quickstart_ray.digits_view(train, rate=args.rate, seed=args.seed)
-    run = common.run_config(args)
-    dist = common.dist_config(args, run_name=name, train=str(train), test=str(test),
-                              class_names=common.manifest_classes(str(train)),
-                              transform=quickstart_ray.PRESET.transform)
+    run = cfg.run
+    dist = driver.dist_config(args, cfg, run_name=name, train=str(train), test=str(test),
+                              class_names=manifest_classes(str(train)),
+                              transform=cfg.recipe.transform)
     killer = Killer(root / "train" / name, kill or [])
     killer.start()
     t0 = time.perf_counter()
@@ -299,7 +299,7 @@ def convert(src: Path, out: Path) -> None:
 def job_start(shards: Path, run_dir: Path) -> tuple[bool, str, float]:
     """Run ``jobs/cifar_lccn.py`` up to the start of training (the driver's checks and
     label view); returns (reached training, error line, seconds)."""
-    import cifar_lccn
+    from lccn_jobs.datasets import CIFAR
 
     reached = {"yes": False}
 
@@ -307,16 +307,16 @@ def job_start(shards: Path, run_dir: Path) -> tuple[bool, str, float]:
         reached["yes"] = True
         raise SystemExit("reached training")
 
-    real = common.run_job
-    common.run_job = stop_before_ray
+    real = driver.run_job
+    driver.run_job = stop_before_ray
     t0 = time.perf_counter()
     try:
-        cifar_lccn.main(["--data", str(shards), "--run-dir", str(run_dir), "--no-tracking"])
+        CIFAR.main(["--data", str(shards), "--run-dir", str(run_dir), "--no-tracking"])
         msg = ""
     except SystemExit as e:
         msg = "" if reached["yes"] else str(e.code)
     finally:
-        common.run_job = real
+        driver.run_job = real
     return reached["yes"], msg, time.perf_counter() - t0
 
 

@@ -27,6 +27,7 @@ from pipeline.core.config import (
 from pipeline.core.confusion import count_matrix
 from pipeline.core.confusion_store import ConfusionStore
 from pipeline.core.monitor import CollapseWarning
+from lccn_jobs import digits as quickstart_ray
 from pipeline.cluster.ray_train import initial_assignment_placeholder
 from pipeline.cluster.store_actor import FenceError, LocalStoreClient, StoreActor
 from pipeline.cluster.worker import DistConfig, LocalSession, parse_failures, run_worker
@@ -34,8 +35,6 @@ from pipeline.train.labeler import GibbsLabeler
 from pipeline.train.sources import held_out_mask
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "jobs"))
-import quickstart_ray  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -821,8 +820,9 @@ def test_lccn_star_plus_on_ray_exports_outliers_and_keeps_the_trusted_set_out_of
     import argparse
     import csv
 
-    import common
     from mlflow import MlflowClient
+
+    from lccn_jobs.driver import run_job
 
     from pipeline.core.noise import open_set, trusted_subset
     from pipeline.data.split_labels import read_split_labels
@@ -841,8 +841,8 @@ def test_lccn_star_plus_on_ray_exports_outliers_and_keeps_the_trusted_set_out_of
                       test_source=str(test), num_workers=2, loader_workers=0,
                       shuffle_buffer=100, preset="digits", tracking_uri=uri,
                       experiment="lccn-star-plus")
-    summary = common.run_job(argparse.Namespace(max_failures=0, cpus_per_worker=1.0),
-                             job="test", run=run, dist=dist, view=view)
+    summary = run_job(argparse.Namespace(max_failures=0, cpus_per_worker=1.0),
+                      job="test", run=run, dist=dist, view=view)
     path = Path(summary["files"]["outliers.csv"])
     assert path == tmp_path / "results" / "star-plus-outliers.csv"
     with open(path) as f:

@@ -384,11 +384,7 @@ def test_two_views_are_two_augmentations_from_the_generator(digits):
 
 @pytest.fixture(scope="module")
 def digit_shards(tmp_path_factory):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "jobs"))
-    import quickstart_ray
+    from lccn_jobs import digits as quickstart_ray
 
     root = tmp_path_factory.mktemp("digit-shards")
     train, test = quickstart_ray.write_digits_shards(root, seed=0)

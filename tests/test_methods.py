@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -30,11 +29,11 @@ from pipeline.data.digits import clean_view, load_digits_arrays, split_indices, 
 from pipeline.train.methods import registered
 from pipeline.train.trainer import LocalTrainer, TensorData
 
+from lccn_jobs import digits as quickstart_ray
+from lccn_jobs.datasets import CIFAR as cifar_lccn
+from lccn_jobs.sources import write_synthetic_shards
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "jobs"))
-import cifar_lccn  # noqa: E402
-import common  # noqa: E402
-import quickstart_ray  # noqa: E402
 
 BASELINES = ("bootstrap", "forward", "sadapt", "trevision")
 
@@ -322,10 +321,10 @@ def test_each_baseline_runs_in_the_distributed_job(method, variant, ray_cluster,
 def test_jobs_refuse_a_bad_transition_file_before_ray(tmp_path):
     """A transition file that is missing or has a row that does not sum to 1 ends the job
     with one line naming the file, before any shard is read by Ray."""
-    tr, _ = common.write_synthetic_shards(tmp_path / "c10", dataset="cifar10", num_classes=10,
+    tr, _ = write_synthetic_shards(tmp_path / "c10", dataset="cifar10", num_classes=10,
                                           size=(8, 8), n_train=40, n_test=10, seed=0,
                                           shard_size=10, noisy_web_labels=False,
-                                          classes=cifar_lccn.SMOKE.classes)
+                                          classes=cifar_lccn.smoke.classes)
     bad = np.eye(10)
     bad[3, 4] = 0.5
     np.save(tmp_path / "bad.npy", bad)
@@ -340,9 +339,7 @@ def test_jobs_refuse_a_bad_transition_file_before_ray(tmp_path):
     args = cifar_lccn.get_args_parser().parse_args(
         ["--data", "/x", "--method", "trevision", "--transition", "eq8",
          "--revision-fraction", "0.25", "--bootstrap-beta", "0.7"])
-    args.in_channels = 3
-    args.warmup = "anchor"
-    run = common.run_config(args)
+    run = cifar_lccn.config(args).run
     assert run.method == "trevision" and run.baseline == BaselineConfig(
         bootstrap_beta=0.7, transition="eq8", revision_fraction=0.25)
 

@@ -4,7 +4,6 @@ never written from a reset chain, and the counters survive a restart in the chec
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
@@ -12,14 +11,13 @@ import pytest
 import torch
 
 from pipeline.core.config import LCCNConfig, ModelConfig, OptimConfig, RunConfig
+from lccn_jobs import digits as quickstart_ray
 from pipeline.cluster.ray_train import initial_assignment_placeholder
 from pipeline.cluster.store_actor import FenceError, LocalStoreClient, StoreActor
 from pipeline.cluster.worker import DistConfig, LocalSession, run_worker
 from pipeline.train.checkpoints import load_state
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "jobs"))
-import quickstart_ray  # noqa: E402
 
 
 def _args(n=12, k=3):

@@ -280,7 +280,7 @@ def test_every_job_builds_a_trial_run_from_its_space(job, tmp_path):
                                     sweep_dir=str(tmp_path), trial_id="abc_00001",
                                     tracking_uri=f"sqlite:///{tmp_path}/m.db",
                                     experiment="lccn-sweep-x", parent_run_id="p123")
-    assert mod.JOB and args.run_name == "abc_00001"
+    assert mod.name and args.run_name == "abc_00001"
     assert jr.dist.run_dir == str(tmp_path / "trials" / "abc_00001")
     assert jr.dist.run_name == "abc_00001" and jr.dist.experiment == "lccn-sweep-x"
     assert dict(jr.dist.mlflow_tags) == {"mlflow.parentRunId": "p123",
