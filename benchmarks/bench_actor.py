@@ -31,7 +31,6 @@ import dataclasses
 import os
 import pickle
 import platform
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +39,6 @@ import numpy as np
 import ray
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pipeline.core.confusion_store import ConfusionStore, Sync  # noqa: E402
 from pipeline.cluster.store_actor import StoreActor  # noqa: E402
 

@@ -35,7 +35,6 @@ import io
 import os
 import platform
 import statistics
-import sys
 import tarfile
 import time
 from dataclasses import dataclass
@@ -45,7 +44,6 @@ import numpy as np
 import ray
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pipeline.core.batch import Batch  # noqa: E402
 from pipeline.core.config import LCCNConfig  # noqa: E402
 from pipeline.core.confusion_store import ConfusionStore  # noqa: E402
