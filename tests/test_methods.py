@@ -381,3 +381,67 @@ def test_lccn_val_nll_is_the_noisy_labels_likelihood_through_its_phi(noisy_digit
     assert hist[-1]["val_nll"] == pytest.approx(noisy_nll_of(probs, labels, phi), rel=1e-6)
     assert torch.equal(trainer.method.noise_model(), phi)
     assert hist[-1]["val_nll"] != pytest.approx(noisy_nll_of(probs, labels, None), rel=1e-3)
+
+
+# -- what a method may use of the engine, and what others may know of a method ---------------
+
+
+def _engine_uses(path: Path) -> dict[str, int]:
+    """Attribute name -> first line, of every read of a method's engine in ``path``
+    (``self.engine.X``, ``engine.X``, ``eng.X``, ``method.engine.X``)."""
+    import ast
+
+    out: dict[str, int] = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute):
+            owner = ast.unparse(node.value)
+            if owner in ("engine", "eng", "self.engine", "method.engine"):
+                out.setdefault(node.attr, node.lineno)
+    return out
+
+
+def test_methods_use_only_what_the_engine_view_declares(noisy_digits):
+    """Every attribute the methods (and the report helpers they call with their engine) read
+    of the engine is declared by ``EngineView``, and the real engine has every one."""
+    import typing
+
+    from pipeline.train.methods.base import EngineView
+
+    declared = set(typing.get_type_hints(EngineView)) | {
+        n for n in vars(EngineView) if not n.startswith("_")}
+    files = [*sorted((REPO / "pipeline" / "train" / "methods").glob("*.py")),
+             REPO / "pipeline" / "train" / "report.py"]
+    used = {(f.name, name, line) for f in files for name, line in _engine_uses(f).items()}
+    assert {"data", "session", "reduce_cpu", "frozen_copy"} <= {u[1] for u in used}
+    undeclared = sorted(u for u in used if u[1] not in declared)
+    assert not undeclared, f"methods read engine attributes EngineView lacks: {undeclared}"
+    train, test = noisy_digits
+    engine = LocalTrainer(_run("lccn"), train, test).engine
+    assert all(hasattr(engine, name) for name in declared), \
+        sorted(n for n in declared if not hasattr(engine, n))
+
+
+def test_no_module_outside_the_methods_checks_a_method_by_its_name():
+    """What the driver, the jobs and Tune need to know of a method is a method attribute
+    (``needs_chain``, ``latent_classes``, ``reads``...): no comparison of a method's name
+    with a registered one outside ``pipeline/train/methods``, but the two programs whose
+    protocol is LCCN beside CE."""
+    import ast
+
+    names = set(registered())
+    protocol = {"jobs/quickstart.py", "lccn_jobs/digits.py"}  # LCCN, then CE beside it
+    bad = []
+    for folder in ("pipeline", "lccn_jobs", "tune", "jobs", "shards"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            rel = path.relative_to(REPO).as_posix()
+            if rel.startswith("pipeline/train/methods/") or rel in protocol:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.Compare):
+                    continue
+                sides = [node.left, *node.comparators]
+                consts = {c.value for s in sides for c in ast.walk(s)
+                          if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+                if consts & names and any("method" in ast.unparse(s) for s in sides):
+                    bad.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    assert not bad, "\n".join(bad)
