@@ -1013,12 +1013,12 @@ def test_the_fault_benchmarks_kill_only_the_processes_of_their_own_ray():
     raylet) a process of the same title elsewhere on the machine (another Ray, a test
     suite's) is not one. Here: a child of this process against an orphaned one."""
     import os
+    import runpy
     import signal
     import subprocess
     import time
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import bench_faults
+    ray_pids = runpy.run_path(str(REPO / "benchmarks" / "bench_faults.py"))["ray_pids"]
 
     title = "lccn-victim-test"  # argv[0] of both sleepers
     sleep = "import time; time.sleep(60)"
@@ -1027,13 +1027,13 @@ def test_the_fault_benchmarks_kill_only_the_processes_of_their_own_ray():
                                   f">/dev/null 2>&1 &)"], check=True)
     try:
         deadline = time.monotonic() + 10
-        while len(bench_faults.ray_pids(title)) < 2 and time.monotonic() < deadline:
+        while len(ray_pids(title)) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        every = bench_faults.ray_pids(title)
+        every = ray_pids(title)
         assert mine.pid in every and len(every) == 2
-        assert bench_faults.ray_pids(title, under=os.getpid()) == [mine.pid]
+        assert ray_pids(title, under=os.getpid()) == [mine.pid]
     finally:
-        for pid in bench_faults.ray_pids(title):
+        for pid in ray_pids(title):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
