@@ -31,7 +31,6 @@ import dataclasses
 import os
 import pickle
 import platform
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,9 +39,8 @@ import numpy as np
 import ray
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pipeline.core.confusion_store import ConfusionStore, Sync  # noqa: E402
-from pipeline.dist.store_actor import StoreActor  # noqa: E402
+from pipeline.cluster.store_actor import StoreActor  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -409,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         args.duration, args.warmup_seconds, args.repeats = 1.0, 0.5, 1
 
     torch.set_num_threads(1)
-    from pipeline.dist.ray_train import init_ray  # local Ray bound to 127.0.0.1
+    from pipeline.cluster.ray_train import init_ray  # local Ray bound to 127.0.0.1
 
     init_ray(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
     rows, base = [], {}

@@ -35,13 +35,10 @@ import json
 import math
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "jobs"))
 
 NAME = "alpha-asym0.5"
 NOISE = '{"kind": "asymmetric", "rate": 0.5, "seed": 0}'
@@ -200,8 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     args.out = args.out.resolve()
     t0 = time.perf_counter()
     if not args.report_only:
-        import cifar_lccn
-
+        from lccn_jobs.datasets import CIFAR
         from tune import sweep
 
         for seed in args.seeds:
@@ -209,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
             if not (done.is_file() and json.loads(done.read_text())["complete"]):
                 sweep.main(sweep_argv(args, seed))
             if not (args.out / "ce" / "results" / f"ce-seed{seed}.json").is_file():
-                cifar_lccn.main(ce_argv(args, seed))
+                CIFAR.main(ce_argv(args, seed))
     rows, ces = [], []
     for seed in args.seeds:
         r, c = collect(args.out, seed)

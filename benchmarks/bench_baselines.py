@@ -28,7 +28,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.core.config import BaselineConfig, LCCNConfig, ModelConfig, OptimConfig, RunConfig
 from pipeline.core.noise import CIFAR10_ASYM_MAP, pair_flip  # noqa: E402

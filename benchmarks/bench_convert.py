@@ -34,7 +34,6 @@ import PIL
 from PIL import Image
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 from shards import imagefolder  # noqa: E402
 

@@ -17,14 +17,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.core.config import ModelConfig, OptimConfig, RunConfig  # noqa: E402
 from pipeline.core.noise import symmetric  # noqa: E402

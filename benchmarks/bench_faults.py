@@ -49,12 +49,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "jobs"))
+from lccn_jobs import digits as quickstart_ray
+from lccn_jobs import driver
+from lccn_jobs.configs import prepare
+from lccn_jobs.sources import manifest_classes
 
-import common  # noqa: E402
-import quickstart_ray  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 EPOCHS, PRETRAIN, CKPT_EVERY, WORKERS = 4, 1, 8, 2
 TRAIN_ARGS = ["--epochs", str(EPOCHS), "--pretrain-epochs", str(PRETRAIN), "--batch-size",
@@ -173,19 +173,19 @@ def train_run(root: Path, name: str, *, extra: list[str] | None = None,
               fault: dict | None = None, kill: list[tuple[int, str]] | None = None) -> dict:
     """One quickstart run under ``root``; returns what the table needs."""
     from pipeline.core.confusion_store import ConfusionStore
-    from pipeline.dist.ray_train import fit_distributed
+    from pipeline.cluster.ray_train import fit_distributed
     from pipeline.train.checkpoints import load_state
 
     args = quickstart_ray.get_args_parser().parse_args(
         ["--run-dir", str(root), "--run-name", name, *TRAIN_ARGS, *(extra or [])])
-    common.prepare(args, job=quickstart_ray.JOB, preset=quickstart_ray.PRESET)
+    cfg, _ = prepare(args, job=quickstart_ray.JOB, dataset=quickstart_ray.DATASET)
     data = root / "data"
     train, test = quickstart_ray.write_digits_shards(data, seed=args.seed)
     view = quickstart_ray.digits_view(train, rate=args.rate, seed=args.seed)
-    run = common.run_config(args)
-    dist = common.dist_config(args, run_name=name, train=str(train), test=str(test),
-                              class_names=common.manifest_classes(str(train)),
-                              transform=quickstart_ray.PRESET.transform)
+    run = cfg.run
+    dist = driver.dist_config(args, cfg, run_name=name, train=str(train), test=str(test),
+                              class_names=manifest_classes(str(train)),
+                              transform=cfg.recipe.transform)
     killer = Killer(root / "train" / name, kill or [])
     killer.start()
     t0 = time.perf_counter()
@@ -213,7 +213,7 @@ def train_run(root: Path, name: str, *, extra: list[str] | None = None,
 def training_rows(tmp: Path) -> list[Row]:
     import ray
 
-    from pipeline.dist.ray_train import init_ray
+    from pipeline.cluster.ray_train import init_ray
 
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     init_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -299,7 +299,7 @@ def convert(src: Path, out: Path) -> None:
 def job_start(shards: Path, run_dir: Path) -> tuple[bool, str, float]:
     """Run ``jobs/cifar_lccn.py`` up to the start of training (the driver's checks and
     label view); returns (reached training, error line, seconds)."""
-    import cifar_lccn
+    from lccn_jobs.datasets import CIFAR
 
     reached = {"yes": False}
 
@@ -307,16 +307,16 @@ def job_start(shards: Path, run_dir: Path) -> tuple[bool, str, float]:
         reached["yes"] = True
         raise SystemExit("reached training")
 
-    real = common.run_job
-    common.run_job = stop_before_ray
+    real = driver.run_job
+    driver.run_job = stop_before_ray
     t0 = time.perf_counter()
     try:
-        cifar_lccn.main(["--data", str(shards), "--run-dir", str(run_dir), "--no-tracking"])
+        CIFAR.main(["--data", str(shards), "--run-dir", str(run_dir), "--no-tracking"])
         msg = ""
     except SystemExit as e:
         msg = "" if reached["yes"] else str(e.code)
     finally:
-        common.run_job = real
+        driver.run_job = real
     return reached["yes"], msg, time.perf_counter() - t0
 
 
@@ -325,9 +325,9 @@ def local_run(shards: Path, run_dir: Path) -> tuple[list[dict], Any]:
     import torch
 
     from pipeline.core.config import LCCNConfig, ModelConfig, OptimConfig, RunConfig
-    from pipeline.dist.ray_train import initial_assignment_placeholder
-    from pipeline.dist.store_actor import LocalStoreClient, StoreActor
-    from pipeline.dist.worker import DistConfig, LocalSession, run_worker
+    from pipeline.cluster.ray_train import initial_assignment_placeholder
+    from pipeline.cluster.store_actor import LocalStoreClient, StoreActor
+    from pipeline.cluster.worker import DistConfig, LocalSession, run_worker
     from shards.labelview import build_view
 
     view = build_view(shards / "train", {"kind": "asymmetric", "rate": 0.4, "seed": 0})

@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 from pipeline.data import stream as data  # noqa: E402
 from pipeline.data.manifest import Manifest  # noqa: E402

@@ -27,11 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "jobs"))
-
-from pipeline.core.options import add_options  # noqa: E402
+from pipeline.core.options import add_options
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -46,9 +42,9 @@ def get_args_parser() -> argparse.ArgumentParser:
 
 
 def one_seed(args: argparse.Namespace, seed: int, run_dir: Path) -> list[dict]:
-    import quickstart_ray
+    from lccn_jobs.digits import main as quickstart_ray
 
-    summary = quickstart_ray.main([
+    summary = quickstart_ray([
         "--rate", str(args.rate), "--epochs", str(args.epochs),
         "--pretrain-epochs", str(args.pretrain_epochs), "--milestones", "--no-baseline",
         "--val-fraction", str(args.val_fraction), "--report-epochs", str(args.report_epochs),

@@ -28,7 +28,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.core.confusion_store import ConfusionStore  # noqa: E402
 from pipeline.core.posterior import MAX_ENTRIES, STATE_KEY, ReportAccumulator  # noqa: E402

@@ -35,7 +35,6 @@ import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 from pipeline.core.config import LCCNConfig, ModelConfig, OptimConfig, RunConfig  # noqa: E402
 from pipeline.core.noise import open_set  # noqa: E402

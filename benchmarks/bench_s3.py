@@ -33,7 +33,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 from pipeline.data import s3  # noqa: E402
 from pipeline.data.manifest import Manifest  # noqa: E402

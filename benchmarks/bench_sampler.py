@@ -33,14 +33,12 @@ import importlib.util
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.core import sampler  # noqa: E402
 from pipeline.core.config import LCCNConfig  # noqa: E402

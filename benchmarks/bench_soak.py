@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                                ["benchmarks/bench_soak.py", *(argv or sys.argv[1:])])
     import ray
 
-    from pipeline.dist.ray_train import init_ray
+    from pipeline.cluster.ray_train import init_ray
 
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
     load0 = os.getloadavg()[0]

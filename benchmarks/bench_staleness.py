@@ -30,13 +30,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "jobs"))
-sys.path.insert(0, str(ROOT))
-import quickstart_ray  # noqa: E402
-
+from lccn_jobs import digits as quickstart_ray
 from pipeline.core.options import UNSET, add_options
-from pipeline.train.checkpoints import load_state  # noqa: E402
+from pipeline.train.checkpoints import load_state
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def parse_config(text: str) -> tuple[int, int]:

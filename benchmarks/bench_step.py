@@ -1,6 +1,7 @@
 """Training-step time with and without the confusion actor (small CNN, CIFAR-sized batches).
 
-Modes, each run through the real ``train_one_epoch`` and ``GibbsLabeler``:
+Modes, each run through the real batch loop (``run_pass``: LCCN's ``GibbsTask``, CE's
+``LabelTask``) and ``GibbsLabeler``:
 
   ce          plain cross-entropy step (no sampler)
   local       LCCN, ConfusionStore in this process (LCCNConfig.commit_every = n)
@@ -11,7 +12,7 @@ Modes, each run through the real ``train_one_epoch`` and ``GibbsLabeler``:
 
 Reported per mode: step time, sampler time (Eq. 7 on the batch), sync time (time the step
 spends on the store: the calls, and waiting for a reply), their share of
-the step, and the step time over the CE step. Each measurement is one ``train_one_epoch``
+the step, and the step time over the CE step. Each measurement is one ``run_pass``
 over ``--steps`` batches, which includes its epoch-boundary prefetch and flush (two
 blocking round trips); modes are interleaved and, per mode, the repetition with the
 shortest step time is kept (other processes on a small shared machine only ever add time).
@@ -35,7 +36,6 @@ import io
 import os
 import platform
 import statistics
-import sys
 import tarfile
 import time
 from dataclasses import dataclass
@@ -45,15 +45,15 @@ import numpy as np
 import ray
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pipeline.core.batch import Batch  # noqa: E402
 from pipeline.core.config import LCCNConfig  # noqa: E402
 from pipeline.core.confusion_store import ConfusionStore  # noqa: E402
 from pipeline.core.options import add_options
 from pipeline.core.warmup import smoothed_identity  # noqa: E402
-from pipeline.dist.store_actor import ActorStoreClient, StoreActor  # noqa: E402
+from pipeline.cluster.store_actor import ActorStoreClient, StoreActor  # noqa: E402
 from pipeline.train.labeler import GibbsLabeler  # noqa: E402
-from pipeline.train.loop import train_one_epoch  # noqa: E402
+from pipeline.train.loop import LabelTask, run_pass
+from pipeline.train.methods.lccn import GibbsTask
 from pipeline.train.models import build_model  # noqa: E402
 
 MODES = ("ce", "local", "push")
@@ -141,7 +141,7 @@ def make_labels(setup: Setup) -> torch.Tensor:
 
 class Runner:
     """A model, optimizer, batches and one labeler per LCCN mode; ``run(mode)`` trains
-    ``setup.steps`` batches and returns train_one_epoch's dict."""
+    ``setup.steps`` batches and returns run_pass's dict."""
 
     def __init__(self, setup: Setup, images: torch.Tensor, *, push_actor=None,
                  worker: int = 0, share: tuple[int, int] = (0, 1),
@@ -189,8 +189,10 @@ class Runner:
 
     def run(self, mode: str, steps: int | None = None) -> dict[str, float]:
         labeler = None if mode == "ce" else self.labelers[mode]
-        out = train_one_epoch(self.model, self.batches(steps), self.opt, labeler=labeler,
-                              num_classes=self.setup.num_classes)
+        known = self.setup.num_classes + 1
+        task = (LabelTask(self.model, self.opt, known_below=known) if labeler is None else
+                GibbsTask(self.model, self.opt, labeler=labeler, known_below=known))
+        out = run_pass(task, self.batches(steps))
         out["store_p50"] = float("nan")
         if labeler is not None:   # most steps make no call: the mean
             out["store_p50"] = statistics.fmean(labeler.per_step)
@@ -266,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()
     images = load_images(args.inputs, args.data, 8 * args.batch, seed=args.seed)
-    from pipeline.dist.ray_train import init_ray  # local Ray bound to 127.0.0.1
+    from pipeline.cluster.ray_train import init_ray  # local Ray bound to 127.0.0.1
 
     init_ray(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
     tables = []

@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipeline.core.config import MonitorConfig  # noqa: E402
 from pipeline.core.monitor import CollapseMonitor  # noqa: E402

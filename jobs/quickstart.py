@@ -11,28 +11,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from pipeline.core.config import ModelConfig, OptimConfig, RunConfig
+from lccn_jobs.recipes import RECIPES
+from pipeline.core.config import RunConfig
 from pipeline.core.noise import CIFAR10_ASYM_MAP, format_transition, pair_flip
-from pipeline.core.options import add_options, apply_options
+from pipeline.core.options import FLAGS as CONFIG_FLAGS
+from pipeline.core.options import add_options, apply_options, apply_point
 from pipeline.data.digits import clean_view, load_digits_arrays, split_indices, to_tensor
 from pipeline.train.trainer import LocalTrainer, TensorData
 
 # the config fields the quickstart takes from the command line, and its protocol's defaults:
 # the digits recipe of jobs/quickstart_ray.py but 40 epochs instead of 30 (30 left LCCN
 # 0.2 points under CE on one of three seeds; tests/test_trainer.py checks all three)
+DIGITS = RECIPES["digits"]
 FLAGS = ("--epochs", "--pretrain-epochs", "--batch-size", "--lr", "--alpha", "--warmup-steps",
          "--targets", "--ramp-epochs")
-DEFAULTS = {"--epochs": 40, "--pretrain-epochs": 8, "--batch-size": 32, "--lr": 0.1,
-            "--alpha": 1.0, "--warmup-steps": 0, "--targets": "sample", "--ramp-epochs": 0.0}
+DEFAULTS = {**{f: DIGITS.get(CONFIG_FLAGS[f]) for f in FLAGS}, "--epochs": 40}
 
 
 def get_args_parser() -> argparse.ArgumentParser:
@@ -60,9 +59,10 @@ def digits_noisy_split(rate: float, seed: int) -> tuple[TensorData, TensorData]:
 
 
 def run_config(args: argparse.Namespace, method: str, seed: int) -> RunConfig:
-    base = RunConfig(method=method, seed=seed, model=ModelConfig("small_cnn", in_channels=1),
-                     optim=OptimConfig(weight_decay=5e-4,
-                                       milestones=(int(args.epochs * 2 / 3),)))
+    """The digits recipe, ``method`` and ``seed``, the lr decayed at two thirds of
+    ``--epochs``, the options over it."""
+    base = apply_point(DIGITS.run(), {"method": method, "seed": seed,
+                                      "optim.milestones": (int(args.epochs * 2 / 3),)})
     return apply_options(base, args, FLAGS)
 
 

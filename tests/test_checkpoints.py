@@ -127,7 +127,7 @@ def test_a_resume_reads_the_chosen_state_once(root, monkeypatch):
     loaded state: from object storage a second read of ``state.pt`` is a second download."""
     from types import SimpleNamespace
 
-    from pipeline.dist import ray_train
+    from pipeline.cluster import ray_train
     from pipeline.train.checkpoints import newest_complete_state
 
     _write(root, "checkpoint_a", 250)

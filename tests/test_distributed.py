@@ -27,15 +27,14 @@ from pipeline.core.config import (
 from pipeline.core.confusion import count_matrix
 from pipeline.core.confusion_store import ConfusionStore
 from pipeline.core.monitor import CollapseWarning
-from pipeline.dist.ray_train import initial_assignment_placeholder
-from pipeline.dist.store_actor import FenceError, LocalStoreClient, StoreActor
-from pipeline.dist.worker import DistConfig, LocalSession, parse_failures, run_worker
+from lccn_jobs import digits as quickstart_ray
+from pipeline.cluster.ray_train import initial_assignment_placeholder
+from pipeline.cluster.store_actor import FenceError, LocalStoreClient, StoreActor
+from pipeline.cluster.worker import DistConfig, LocalSession, parse_failures, run_worker
 from pipeline.train.labeler import GibbsLabeler
 from pipeline.train.sources import held_out_mask
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "jobs"))
-import quickstart_ray  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -665,7 +664,7 @@ def ray_cluster():
     key = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"  # read by the Train controller: detect failures fast
     old = os.environ.get(key)
     os.environ[key] = "0.5"
-    from pipeline.dist.ray_train import init_ray
+    from pipeline.cluster.ray_train import init_ray
 
     started = init_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
@@ -881,8 +880,9 @@ def test_lccn_star_plus_on_ray_exports_outliers_and_keeps_the_trusted_set_out_of
     import argparse
     import csv
 
-    import common
     from mlflow import MlflowClient
+
+    from lccn_jobs.driver import run_job
 
     from pipeline.core.noise import open_set, trusted_subset
     from pipeline.data.split_labels import read_split_labels
@@ -901,8 +901,8 @@ def test_lccn_star_plus_on_ray_exports_outliers_and_keeps_the_trusted_set_out_of
                       test_source=str(test), num_workers=2, loader_workers=0,
                       shuffle_buffer=100, preset="digits", tracking_uri=uri,
                       experiment="lccn-star-plus")
-    summary = common.run_job(argparse.Namespace(max_failures=0, cpus_per_worker=1.0),
-                             job="test", run=run, dist=dist, view=view)
+    summary = run_job(argparse.Namespace(max_failures=0, cpus_per_worker=1.0),
+                      job="test", run=run, dist=dist, view=view)
     path = Path(summary["files"]["outliers.csv"])
     assert path == tmp_path / "results" / "star-plus-outliers.csv"
     with open(path) as f:
@@ -993,7 +993,7 @@ def test_a_run_in_object_storage_killed_mid_epoch_resumes_bit_identical(ray_clus
 def test_packed_wire_format_round_trips_a_push():
     """The Ray client sends numpy arrays (push_packed) and rebuilds a Sync from the reply:
     the other worker's moves, and the whole z on request."""
-    from pipeline.dist.store_actor import StoreActor, unpack_sync
+    from pipeline.cluster.store_actor import StoreActor, unpack_sync
 
     obs = torch.tensor([0, 1, 2, 0, 1, 2])
     a, b = StoreActor(obs, obs.clone(), 3, 3), StoreActor(obs, obs.clone(), 3, 3)
@@ -1018,7 +1018,7 @@ def test_each_worker_reserves_its_cpus_with_a_gpu_too():
     """--cpus-per-worker reaches Ray's reservation with --gpu as without (it was dropped
     with a GPU: 1 CPU per worker for 8 decode processes)."""
     ray_train = pytest.importorskip("ray.train")
-    from pipeline.dist.ray_train import worker_resources
+    from pipeline.cluster.ray_train import worker_resources
 
     assert worker_resources(True, 10) == {"CPU": 10.0, "GPU": 1.0}
     assert worker_resources(False, 2) == {"CPU": 2.0}
@@ -1037,7 +1037,7 @@ def test_a_worker_dead_at_its_groups_start_resubmits_the_run_within_max_failures
     import ray.exceptions
     import ray.train
 
-    from pipeline.dist.ray_train import died_while_starting, fit_resubmitting
+    from pipeline.cluster.ray_train import died_while_starting, fit_resubmitting
 
     dead = ray.train.ControllerError(ray.exceptions.ActorDiedError())
     other = ray.train.ControllerError(ValueError("a bad scaling config"))
@@ -1073,12 +1073,12 @@ def test_the_fault_benchmarks_kill_only_the_processes_of_their_own_ray():
     raylet) a process of the same title elsewhere on the machine (another Ray, a test
     suite's) is not one. Here: a child of this process against an orphaned one."""
     import os
+    import runpy
     import signal
     import subprocess
     import time
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import bench_faults
+    ray_pids = runpy.run_path(str(REPO / "benchmarks" / "bench_faults.py"))["ray_pids"]
 
     title = "lccn-victim-test"  # argv[0] of both sleepers
     sleep = "import time; time.sleep(60)"
@@ -1087,13 +1087,13 @@ def test_the_fault_benchmarks_kill_only_the_processes_of_their_own_ray():
                                   f">/dev/null 2>&1 &)"], check=True)
     try:
         deadline = time.monotonic() + 10
-        while len(bench_faults.ray_pids(title)) < 2 and time.monotonic() < deadline:
+        while len(ray_pids(title)) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        every = bench_faults.ray_pids(title)
+        every = ray_pids(title)
         assert mine.pid in every and len(every) == 2
-        assert bench_faults.ray_pids(title, under=os.getpid()) == [mine.pid]
+        assert ray_pids(title, under=os.getpid()) == [mine.pid]
     finally:
-        for pid in bench_faults.ray_pids(title):
+        for pid in ray_pids(title):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

@@ -17,7 +17,7 @@ from pipeline.core.confusion import count_matrix
 from pipeline.core.noise import symmetric
 from pipeline.core.sampler import conditional_transition
 from pipeline.data.digits import clean_view, load_digits_arrays, split_indices, to_tensor
-from pipeline.dist.worker import LocalSession
+from pipeline.cluster.worker import LocalSession
 from pipeline.train.chains import ChainSet
 from pipeline.train.checkpoints import load_state
 from pipeline.train.methods import divide as divide_methods
@@ -384,11 +384,7 @@ def test_two_views_are_two_augmentations_from_the_generator(digits):
 
 @pytest.fixture(scope="module")
 def digit_shards(tmp_path_factory):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "jobs"))
-    import quickstart_ray
+    from lccn_jobs import digits as quickstart_ray
 
     root = tmp_path_factory.mktemp("digit-shards")
     train, test = quickstart_ray.write_digits_shards(root, seed=0)
@@ -400,9 +396,9 @@ def test_divide_lccn_worker_loop_resumes_mid_epoch_exactly(digit_shards, tmp_pat
     mid-epoch checkpoint that carries the epoch's division) and resuming ends with the same
     networks, chains and division as the uninterrupted run; the division pass scored every
     training idx (the held-out split excluded) exactly once."""
-    from pipeline.dist.ray_train import initial_assignment_placeholder
-    from pipeline.dist.store_actor import LocalStoreClient, StoreActor
-    from pipeline.dist.worker import DistConfig, run_worker
+    from pipeline.cluster.ray_train import initial_assignment_placeholder
+    from pipeline.cluster.store_actor import LocalStoreClient, StoreActor
+    from pipeline.cluster.worker import DistConfig, run_worker
     from pipeline.train.sources import held_out_mask
 
     train, test, view = digit_shards

@@ -50,10 +50,20 @@ def test_relative_links_resolve(guide):
     path = REPO / guide
     text = path.read_text()
     targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
-    targets += re.findall(r"`((?:docs|benchmarks|infra|jobs|scripts|tests|pipeline|shards|tune)/[\w./-]+\.(?:md|py|sh|yaml))`", text)
+    targets += re.findall(r"`((?:docs|benchmarks|infra|jobs|lccn_jobs|scripts|tests|pipeline|shards|tune)/[\w./-]+\.(?:md|py|sh|yaml))`", text)
     missing = [t for t in targets if "://" not in t
                and not ((path.parent / t).exists() or (REPO / t).exists())]
     assert not missing, missing
+
+
+def _script_parser(script: str):
+    """The parser of a job script ``jobs/<name>.py`` (its ``get_args_parser``, run without
+    its ``__main__`` block)."""
+    import runpy
+
+    path = REPO / script
+    assert path.is_file(), script
+    return runpy.run_path(str(path))["get_args_parser"]()
 
 
 def _commands(text: str, prefix: str) -> list[list[str]]:
@@ -74,9 +84,6 @@ def _commands(text: str, prefix: str) -> list[list[str]]:
 def test_readme_commands_parse():
     """Every lccn-shards / lccn-labelview / job / sweep command the README shows is accepted
     by that program's parser (catches options that were renamed or never existed)."""
-    import importlib
-    import sys
-
     from shards import cli, labelview
 
     text = (REPO / "README.md").read_text()
@@ -86,12 +93,10 @@ def test_readme_commands_parse():
         cli.build_parser().parse_args(argv)
     for argv in _commands(text, "lccn-labelview"):
         labelview.get_args_parser().parse_args(argv)
-    sys.path.insert(0, str(REPO / "jobs"))
     jobs = [argv for argv in _commands(text, "python") if argv and argv[0].startswith("jobs/")]
     assert jobs
     for argv in jobs:
-        job = importlib.import_module(Path(argv[0]).stem)
-        job.get_args_parser().parse_args(argv[1:])
+        _script_parser(argv[0]).parse_args(argv[1:])
     from tune import sweep
 
     sweeps = _commands(text, "python -m tune.sweep")
@@ -109,18 +114,16 @@ def test_readme_says_how_to_use_the_venv_and_the_converters():
 
 def test_presets_table_is_the_code():
     """The "Presets" table of docs/methods.md is the jobs' recipes, rendered
-    (``jobs/common.py``: ``presets_table``); rebuild it with that function after a change."""
-    import sys
-
-    sys.path.insert(0, str(REPO / "jobs"))
-    import common
+    (``lccn_jobs/recipes.py``: ``presets_table``); rebuild it with that function after a
+    change."""
+    from lccn_jobs.recipes import METHOD_RECIPES, presets_table
 
     text = (REPO / "docs" / "methods.md").read_text()
     m = re.search(r"<!-- presets:start -->\n(.*?)<!-- presets:end -->", text, flags=re.S)
     assert m, "docs/methods.md has no presets table between its markers"
-    assert m.group(1) == common.presets_table()
-    for (dataset, method), r in common.METHOD_PRESETS.items():  # every recipe in a row
-        assert f"| {dataset} | {method} | {r.model}" in m.group(1), (dataset, method)
+    assert m.group(1) == presets_table()
+    for (dataset, method), r in METHOD_RECIPES.items():  # every recipe in a row
+        assert f"| {dataset} | {method} | {r.get('model.name')}" in m.group(1), (dataset, method)
     assert "docs/methods.md#presets" in (REPO / "README.md").read_text()
 
 
@@ -156,9 +159,6 @@ def _shell_commands(text: str) -> list[list[str]]:
 def _check_command(argv: list[str]) -> bool:
     """Parse ``argv`` with the parser of the project program it runs; False when it is not
     one of ours (ray, kubectl, mlflow, ...)."""
-    import importlib
-    import sys
-
     from pipeline.track import label_issues, predict
     from pipeline.train import models
     from shards import cli, labelview
@@ -182,8 +182,7 @@ def _check_command(argv: list[str]) -> bool:
         parsers[prog]().parse_args(args)
         return True
     if prog == "python" and args and args[0].startswith("jobs/"):
-        sys.path.insert(0, str(REPO / "jobs"))
-        importlib.import_module(Path(args[0]).stem).get_args_parser().parse_args(args[1:])
+        _script_parser(args[0]).parse_args(args[1:])
         return True
     if prog in ("python", "bash") and args and args[0].startswith(("benchmarks/", "scripts/")):
         script = REPO / args[0]
@@ -233,11 +232,7 @@ def test_the_kuberay_job_is_a_command_the_job_accepts_and_can_start():
     text = (REPO / "infra" / "kuberay-rayjob.yaml").read_text()
     argv = shlex.split(yaml.safe_load(text)["spec"]["entrypoint"])
     assert argv[:2] == ["python", "jobs/webvision_divide_lccn.py"] and _check_command(argv)
-    import importlib
-    import sys
-
-    sys.path.insert(0, str(REPO / "jobs"))
-    args = importlib.import_module("webvision_divide_lccn").get_args_parser().parse_args(argv[2:])
+    args = _script_parser(argv[1]).parse_args(argv[2:])
     assert "://" in args.train_shards and args.label_view is not None
     header = [line.lstrip("# ").split("  #")[0] for line in text.splitlines()
               if line.startswith("#   lccn-")]
@@ -248,15 +243,13 @@ def test_the_image_and_the_cluster_put_the_presets_weights_in_place():
     """infra/Dockerfile and infra/ray-cluster.yaml fetch the weights of every preset that
     starts from pretrained weights, with a command the project's parser accepts."""
     import shlex
-    import sys
 
     import yaml
 
-    sys.path.insert(0, str(REPO / "jobs"))
-    import common
+    from lccn_jobs.recipes import METHOD_RECIPES, RECIPES
 
-    needed = {p.model for p in [*common.PRESETS.values(), *common.METHOD_PRESETS.values()]
-              if p.pretrained}
+    needed = {r.get("model.name") for r in [*RECIPES.values(), *METHOD_RECIPES.values()]
+              if r.pretrained}
     assert needed == {"resnet50"}
     docker = [shlex.split(line[4:]) for line in (REPO / "infra" / "Dockerfile").read_text()
               .splitlines() if line.startswith("RUN python -m pipeline.train.models")]

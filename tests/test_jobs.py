@@ -20,30 +20,28 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "jobs"))
-import cifar_lccn  # noqa: E402
-import clothing1m_lccn  # noqa: E402
-import common  # noqa: E402
-import quickstart_ray  # noqa: E402
-import webvision_divide_lccn  # noqa: E402
+from lccn_jobs import digits as quickstart_ray
+from lccn_jobs import driver, recipes, reporting, sources
+from lccn_jobs.configs import prepare, warmup_covers_phase
+from lccn_jobs.datasets import CIFAR as cifar_lccn
+from lccn_jobs.datasets import CLOTHING1M as clothing1m_lccn
+from lccn_jobs.datasets import WEBVISION as webvision_divide_lccn
 
+REPO = Path(__file__).resolve().parents[1]
 RAY = Path(sys.executable).with_name("ray")
 
 
-def _configs(module, argv):
-    args = module.get_args_parser().parse_args(argv)
-    args.in_channels = 3
-    if module is cifar_lccn and args.warmup is None:
-        args.warmup = common.PRESETS[args.dataset].warmup
-    return args, common.run_config(args)
+def _configs(job, argv):
+    """The job's configs (``lccn_jobs.configs.JobConfig``) of ``argv`` and their run."""
+    cfg = job.config(job.get_args_parser().parse_args(argv))
+    return cfg, cfg.run
 
 
 def test_cifar_preset_is_the_papers():
-    args, run = _configs(cifar_lccn, ["--data", "/x"])
+    cfg, run = _configs(cifar_lccn, ["--data", "/x"])
     assert run.model.name == "preact_resnet32" and run.optim.batch_size == 128
     assert run.optim.epochs == 120 and run.optim.milestones == (40, 80)
-    assert tuple(args.lr_values) == (0.5, 0.1, 0.01) and run.optim.weight_decay == 5e-4
+    assert cfg.lr_values == (0.5, 0.1, 0.01) and run.optim.weight_decay == 5e-4
     # the paper's 20,000 warm-up steps; the estimate is the anchor-point one, not the
     # paper's Eq. 8, which collapses from a weak start (docs/fidelity.md; --warmup eq8)
     assert run.lccn.warmup_steps == 20_000 and run.lccn.warmup == "anchor"
@@ -56,22 +54,22 @@ def test_a_recipe_value_the_method_never_reads_stays_out():
     """The digits recipe's LCCN target and ramp (sample, 0) are for LCCN; run with
     divide_lccn, which never reads them, the job keeps the library's defaults, and given on
     the command line they reach the config (where DivideLCCN refuses them)."""
-    _, run = _configs(quickstart_ray, [])
+    _, run = _configs(quickstart_ray.DIGITS, [])
     assert (run.lccn.targets, run.lccn.ramp_epochs) == ("sample", 0.0)
-    _, run = _configs(quickstart_ray, ["--method", "divide_lccn"])
+    _, run = _configs(quickstart_ray.DIGITS, ["--method", "divide_lccn"])
     assert (run.lccn.targets, run.lccn.ramp_epochs) == ("posterior", 1.0)
-    _, run = _configs(quickstart_ray, ["--method", "divide_lccn", "--targets", "map"])
+    _, run = _configs(quickstart_ray.DIGITS, ["--method", "divide_lccn", "--targets", "map"])
     assert run.lccn.targets == "map"
 
 
 def test_weight_average_is_off_in_the_recipes_and_an_option_of_every_job():
     _, run = _configs(cifar_lccn, ["--data", "/x"])
     assert run.optim.ema_decay == 0.0
-    args, run = _configs(cifar_lccn, ["--data", "/x", "--ema-decay", "0.9999"])
-    assert run.optim.ema_decay == 0.9999 and "ema_decay" in args.recipe_given
+    cfg, run = _configs(cifar_lccn, ["--data", "/x", "--ema-decay", "0.9999"])
+    assert run.optim.ema_decay == 0.9999 and "ema_decay" in cfg.given
     _, run = _configs(webvision_divide_lccn, ["--data", "/x", "--ema-decay", "0.999"])
     assert run.optim.ema_decay == 0.999
-    with pytest.raises(ValueError, match="ema_decay must be in"):
+    with pytest.raises(SystemExit, match="ema_decay must be in"):
         _configs(cifar_lccn, ["--data", "/x", "--ema-decay", "1"])
 
 
@@ -86,14 +84,14 @@ def test_norm_weight_decay_is_an_option_of_every_job_and_reaches_the_optimiser()
         assert run.optim.norm_weight_decay == 0.0, module
     _, run = _configs(cifar_lccn, ["--data", "/x", "--method", "dividemix"])
     assert run.optim.norm_weight_decay is None
-    args, run = _configs(cifar_lccn, ["--data", "/x", "--norm-weight-decay", "0"])
-    assert run.optim.norm_weight_decay == 0.0 and "norm_weight_decay" in args.recipe_given
+    cfg, run = _configs(cifar_lccn, ["--data", "/x", "--norm-weight-decay", "0"])
+    assert run.optim.norm_weight_decay == 0.0 and "norm_weight_decay" in cfg.given
     groups = param_groups(build_model(run.model.name, 10), run.optim.weight_decay,
                           run.optim.norm_weight_decay)
     assert [g["weight_decay"] for g in groups] == [run.optim.weight_decay, 0.0]
     _, run = _configs(webvision_divide_lccn, ["--data", "/x", "--norm-weight-decay", "1e-5"])
     assert run.optim.norm_weight_decay == 1e-5
-    with pytest.raises(ValueError, match="norm_weight_decay must be >= 0"):
+    with pytest.raises(SystemExit, match="norm_weight_decay must be >= 0"):
         _configs(cifar_lccn, ["--data", "/x", "--norm-weight-decay", "-1"])
 
 
@@ -102,7 +100,7 @@ def test_refresh_steps_is_an_option_of_the_lccn_jobs():
     assert run.lccn.refresh_steps == 1
     _, run = _configs(cifar_lccn, ["--data", "/x", "--refresh-steps", "200"])
     assert run.lccn.refresh_steps == 200
-    with pytest.raises(ValueError, match="refresh_steps must be an integer >= 1"):
+    with pytest.raises(SystemExit, match="refresh_steps must be an integer >= 1"):
         _configs(cifar_lccn, ["--data", "/x", "--refresh-steps", "0"])
 
 
@@ -129,14 +127,14 @@ def test_bn_momentum_is_an_option_of_every_job_and_reaches_every_batch_norm_laye
 
     _, run = _configs(cifar_lccn, ["--data", "/x"])
     assert run.model.bn_momentum is None
-    args, run = _configs(cifar_lccn, ["--data", "/x", "--bn-momentum", "0.003"])
-    assert run.model.bn_momentum == 0.003 and "bn_momentum" in args.recipe_given
+    cfg, run = _configs(cifar_lccn, ["--data", "/x", "--bn-momentum", "0.003"])
+    assert run.model.bn_momentum == 0.003 and "bn_momentum" in cfg.given
     model = build_model(run.model.name, 10, bn_momentum=run.model.bn_momentum)
     bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
     assert len(bns) > 10 and {m.momentum for m in bns} == {0.003}
     _, run = _configs(webvision_divide_lccn, ["--data", "/x", "--bn-momentum", "0.01"])
     assert run.model.bn_momentum == 0.01
-    with pytest.raises(ValueError, match=r"bn_momentum must lie in \(0, 1\].*0\.997 is 0\.003"):
+    with pytest.raises(SystemExit, match=r"bn_momentum must lie in \(0, 1\].*0\.997 is 0\.003"):
         _configs(cifar_lccn, ["--data", "/x", "--bn-momentum", "1.5"])
 
 
@@ -152,8 +150,9 @@ def test_init_from_is_resolved_before_any_worker_starts(tmp_path):
         args = cifar_lccn.get_args_parser().parse_args(
             ["--data", "/x", "--no-tracking", "--run-dir", str(tmp_path / "new"),
              "--init-from", str(where)])
-        return common.dist_config(args, run_name="r", train="/x/train", test=None,
-                                  class_names=[], transform="cifar")
+        return driver.dist_config(args, cifar_lccn.config(args), run_name="r",
+                                  train="/x/train", test=None, class_names=[],
+                                  transform="cifar")
 
     assert dist(tmp_path).init_from == str((ckpt / "state.pt").resolve())
     with pytest.raises(SystemExit, match="--init-from .*nowhere: no state.pt"):
@@ -164,13 +163,16 @@ def test_init_from_is_resolved_before_any_worker_starts(tmp_path):
 
 
 def test_web_presets_are_the_papers():
-    args, run = _configs(clothing1m_lccn, ["--data", "/x"])
-    assert run.model.name == "resnet50" and args.pretrained
+    args = clothing1m_lccn.get_args_parser().parse_args(["--data", "/x"])
+    cfg = clothing1m_lccn.config(args)
+    run = cfg.run
+    assert run.model.name == "resnet50" and cfg.pretrained
     assert (run.optim.batch_size, run.optim.lr, run.optim.epochs) == (32, 0.001, 5)
     assert run.optim.milestones == () and run.optim.weight_decay == 1e-3
     assert run.lccn.warmup_steps == 40_000 and run.lccn.anneal
     assert args.train_split == "noisy_train" and json.loads(args.noise) == {"kind": "dataset"}
-    args, run = _configs(webvision_divide_lccn, ["--data", "/x"])
+    args = webvision_divide_lccn.get_args_parser().parse_args(["--data", "/x"])
+    run = webvision_divide_lccn.config(args).run
     assert run.model.name == "inception_resnet_v2" and run.optim.batch_size == 64
     assert run.optim.lr == 0.01 and run.optim.milestones == (40,) and run.optim.lr_decay == 0.1
     assert run.lccn.anneal and args.test_split == "val"
@@ -193,23 +195,27 @@ def test_webvision_job_runs_divide_lccn_with_dividemix_web_settings():
     (clothing1m_lccn, "clothing1m", []), (webvision_divide_lccn, "webvision", [])])
 def test_every_method_runs_its_recipe_from_the_presets_table(module, dataset, extra):
     """The configs a job builds for each --method are the recipe of docs/methods.md's
-    presets table (common.recipe): DivideMix's own schedule for dividemix/divide_lccn
+    presets table (recipes.recipe): DivideMix's own schedule for dividemix/divide_lccn
     where it has one, the dataset's for the rest; an option on the command line wins."""
-    from pipeline.train.methods import registered
+    from pipeline.core.config import RunConfig
+    from pipeline.core.options import value_at
+    from pipeline.train.methods import get_method, registered
 
     for method in registered():
-        args, run = _configs(module, ["--data", "/x", "--method", method, *extra])
-        r = common.recipe(dataset, method)
-        o, d = run.optim, run.divide
-        assert (run.model.name, o.epochs, o.pretrain_epochs, o.batch_size, o.lr,
-                o.milestones, o.weight_decay) == (r.model, r.epochs, r.pretrain_epochs,
-                                                  r.batch_size, r.lr, r.milestones,
-                                                  r.weight_decay), (dataset, method)
-        assert tuple(args.lr_values) == r.lr_values and args.pretrained == r.pretrained
-        assert (run.lccn.alpha, run.lccn.warmup_steps, run.lccn.warmup, run.lccn.anneal) == \
-            (r.alpha, r.warmup_steps, r.warmup, r.anneal)
-        assert (d.mixmatch_alpha, d.lambda_u, d.p_threshold, d.temperature, d.conf_penalty) == \
-            (r.mixmatch_alpha, r.lambda_u, r.p_threshold, r.temperature, r.conf_penalty)
+        cfg, run = _configs(module, ["--data", "/x", "--method", method, *extra])
+        r = recipes.recipe(dataset, method)
+        assert cfg.recipe is r and cfg.lr_values == r.lr_values
+        assert cfg.pretrained == r.pretrained
+        # every value the recipe names, but those the method never reads (the library's)
+        for path, value in r.point.items():
+            if path == "method":
+                assert run.method == method
+            elif path in get_method(method).ignores:
+                assert value_at(run, path) == value_at(RunConfig(), path)
+            else:
+                assert value_at(run, path) == value, (dataset, method, path)
+        # and the library's default for every field it does not name
+        assert (run.lccn.alpha, run.divide.temperature, run.optim.lr_decay) == (1.0, 0.5, 0.1)
     if dataset.startswith("cifar"):
         _, run = _configs(module, ["--data", "/x", "--method", "dividemix", *extra])
         assert (run.model.name, run.optim.epochs, run.optim.batch_size) == \
@@ -229,11 +235,11 @@ def test_lr_values_become_the_phase_learning_rates(tmp_path):
     """--lr-values 0.5 0.1 0.01 with milestones 40 80 gives exactly those rates."""
     import torch
 
-    from pipeline.dist.worker import DistConfig, _scheduler
+    from pipeline.cluster.worker import DistConfig, _scheduler
 
-    args, run = _configs(cifar_lccn, ["--data", "/x"])
+    cfg, run = _configs(cifar_lccn, ["--data", "/x"])
     dist = DistConfig(run_name="r", run_dir=str(tmp_path), train_source=str(tmp_path),
-                      lr_values=tuple(args.lr_values))
+                      lr_values=cfg.lr_values)
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=run.optim.lr)
     sched = _scheduler(opt, run, dist)
     rates = []
@@ -257,9 +263,9 @@ def test_schedule_options_replace_the_recipes_piecewise_rates(argv, lr, mileston
     """The CIFAR recipe runs per-phase rates (0.5 / 0.1 / 0.01); --lr scales them, and
     --milestones or --lr-decay without --lr-values replace them with lr x lr-decay at each
     milestone: no schedule option is silently ignored."""
-    args, run = _configs(cifar_lccn, ["--data", "/x", *argv])
+    cfg, run = _configs(cifar_lccn, ["--data", "/x", *argv])
     assert (run.optim.lr, list(run.optim.milestones)) == (pytest.approx(lr), milestones)
-    assert args.lr_values == pytest.approx(values)
+    assert list(cfg.lr_values) == pytest.approx(values)
 
 
 def test_a_warm_up_that_outlasts_the_lccn_phase_is_warned_about():
@@ -276,28 +282,29 @@ def test_a_warm_up_that_outlasts_the_lccn_phase_is_warned_about():
     argv = ["--data", "/x", "--epochs", "3", "--pretrain-epochs", "1", "--milestones", "1",
             "--lr-values", "0.1", "0.01", "--batch-size", "64"]
     _, run = _configs(cifar_lccn, argv)  # the preset's δ: 20,000 steps
-    note = common.warmup_covers_phase(run, man, 2)
+    note = warmup_covers_phase(run, man, 2)
     assert note is not None and "20,000 covers the whole LCCN phase (2 epochs, 42 steps per " \
                                 "worker)" in note and "one epoch: 21" in note
     _, run = _configs(cifar_lccn, argv + ["--warmup-steps", "41"])
-    assert common.warmup_covers_phase(run, man, 2) is None
+    assert warmup_covers_phase(run, man, 2) is None
     _, run = _configs(cifar_lccn, argv + ["--warmup-steps", "42"])
-    assert common.warmup_covers_phase(run, man, 2) is not None
+    assert warmup_covers_phase(run, man, 2) is not None
     _, run = _configs(cifar_lccn, argv + ["--method", "ce"])  # no chain, nothing to say
-    assert common.warmup_covers_phase(run, man, 2) is None
+    assert warmup_covers_phase(run, man, 2) is None
     _, run = _configs(cifar_lccn, argv[:5] + ["3"] + argv[6:])  # all CE: no LCCN phase
     assert run.optim.pretrain_epochs == run.optim.epochs
-    assert common.warmup_covers_phase(run, man, 2) is None
+    assert warmup_covers_phase(run, man, 2) is None
+
+
+def _log(argv: list[str]) -> str:
+    args = cifar_lccn.get_args_parser().parse_args(argv)
+    return "\n".join(prepare(args, job="j", dataset="cifar10")[1])
 
 
 def test_the_preset_note_says_when_the_command_line_changed_the_schedule():
-    args = cifar_lccn.get_args_parser().parse_args(["--data", "/x"])
     assert "preset cifar10: the first 40 epochs (lr 0.5) are the CE pre-training" in \
-        "\n".join(common.prepare(args, job="j", preset=common.PRESETS["cifar10"]))
-    args = cifar_lccn.get_args_parser().parse_args(["--data", "/x", "--epochs", "2",
-                                                    "--pretrain-epochs", "1"])
-    common.resolve_recipe(args)  # as cifar_lccn.prepare_run does first: it fills the rest
-    log = "\n".join(common.prepare(args, job="j", preset=common.PRESETS["cifar10"]))
+        _log(["--data", "/x"])
+    log = _log(["--data", "/x", "--epochs", "2", "--pretrain-epochs", "1"])
     assert "preset cifar10, with --epochs --pretrain-epochs from the command line (the " \
            "preset itself: the first 40 epochs" in log
 
@@ -311,9 +318,9 @@ def test_fewer_epochs_than_the_pre_training_is_one_clear_line():
     # --smoke-test sets its own schedule, and says which given options it replaced
     args = cifar_lccn.get_args_parser().parse_args(["--smoke-test", "--epochs", "1",
                                                     "--run-dir", "/tmp/x"])
-    log = "\n".join(common.prepare(args, job="j", preset=common.PRESETS["cifar10"]))
-    assert (args.epochs, args.pretrain_epochs) == (3, 1)
-    assert "(these replace --epochs from the command line)" in log
+    cfg, log = prepare(args, job="j", dataset="cifar10")
+    assert (cfg.run.optim.epochs, cfg.run.optim.pretrain_epochs) == (3, 1)
+    assert "(these replace --epochs from the command line)" in "\n".join(log)
 
 
 def test_sigterm_takes_the_ctrl_c_path():
@@ -324,7 +331,7 @@ def test_sigterm_takes_the_ctrl_c_path():
     old_int, old_term = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     seen = []
     try:
-        assert common.stop_on_sigterm() == old_term  # what run_job restores afterwards
+        assert driver.stop_on_sigterm() == old_term  # what run_job restores afterwards
         signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.1)  # the handler runs between bytecodes of the main thread
@@ -350,10 +357,10 @@ def test_a_saved_view_over_other_shards_and_trusted_flags_it_cannot_honour(tmp_p
     from shards.labelview import build_view
 
     def smoke(name, seed):
-        return common.write_synthetic_shards(tmp_path / name, dataset="cifar10", num_classes=10,
+        return sources.write_synthetic_shards(tmp_path / name, dataset="cifar10", num_classes=10,
                                              size=(32, 32), n_train=64, n_test=16, seed=seed,
                                              shard_size=16, noisy_web_labels=False,
-                                             classes=cifar_lccn.SMOKE.classes)
+                                             classes=cifar_lccn.smoke.classes)
 
     tr_a, te_a = smoke("a", 0)
     tr_b, _ = smoke("b", 1)
@@ -387,14 +394,14 @@ def test_smoke_shards_and_views(tmp_path):
     from pipeline.data.manifest import Manifest
     from shards.labelview import build_view
 
-    tr, te = common.write_synthetic_shards(tmp_path / "c", dataset="cifar10", num_classes=10,
+    tr, te = sources.write_synthetic_shards(tmp_path / "c", dataset="cifar10", num_classes=10,
                                            size=(32, 32), n_train=64, n_test=16, seed=0,
                                            shard_size=16, noisy_web_labels=False,
-                                           classes=cifar_lccn.SMOKE.classes)
+                                           classes=cifar_lccn.smoke.classes)
     assert Manifest.load(tr).num_samples == 64 and len(Manifest.load(te).shards) == 1
-    view = build_view(tr, json.loads(cifar_lccn.NOISE["cifar10"]))
+    view = build_view(tr, json.loads(cifar_lccn.noise["cifar10"]))
     assert (view.clean >= 0).all() and view.transition is not None
-    tr, _ = common.write_synthetic_shards(tmp_path / "w", dataset="clothing1m", num_classes=14,
+    tr, _ = sources.write_synthetic_shards(tmp_path / "w", dataset="clothing1m", num_classes=14,
                                           size=(24, 20), n_train=56, n_test=28, seed=0,
                                           shard_size=28, noisy_web_labels=True)
     view = build_view(tr, {"kind": "dataset"})
@@ -478,7 +485,7 @@ def test_quickstart_closes_with_lccn_beside_ce_and_the_mlflow_command():
 
 
 def test_progress_line_per_epoch():
-    from pipeline.dist.ray_train import progress_line
+    from pipeline.cluster.ray_train import progress_line
 
     row = {"epoch": 9.0, "loss": 0.25, "val_top1": 0.7, "test_top1": 0.9,
            "label_recovery": 0.95, "transition_error": float("nan"), "epoch_time": 4.04}
@@ -499,20 +506,20 @@ def test_summary_leaves_out_what_was_not_measured():
     and must not be printed or written (NaN is not JSON either)."""
     metrics = {"test_top1": 0.71, "transition_error": float("nan"), "staleness": 0.0,
                "images_per_s": float("inf"), "epoch": 4.0}
-    line = common.summary_line(metrics)
+    line = reporting.summary_line(metrics)
     assert line == "test_top1 0.71  staleness 0"
-    assert common.measured(metrics) == {"test_top1": 0.71, "staleness": 0.0, "epoch": 4.0}
-    json.dumps(common.measured(metrics), allow_nan=False)
+    assert reporting.measured(metrics) == {"test_top1": 0.71, "staleness": 0.0, "epoch": 4.0}
+    json.dumps(reporting.measured(metrics), allow_nan=False)
 
 
 def test_bad_data_paths_give_one_clear_line(tmp_path, capsys):
     """A missing --data folder, a split folder given as --data, a shard root given as
     --train-shards, a root without converted splits, and a corrupt shard each end the job
     with one line naming the path (SystemExit with a message: no traceback), before Ray."""
-    tr, _ = common.write_synthetic_shards(tmp_path / "c10", dataset="cifar10", num_classes=10,
+    tr, _ = sources.write_synthetic_shards(tmp_path / "c10", dataset="cifar10", num_classes=10,
                                           size=(8, 8), n_train=40, n_test=10, seed=0,
                                           shard_size=10, noisy_web_labels=False,
-                                          classes=cifar_lccn.SMOKE.classes)
+                                          classes=cifar_lccn.smoke.classes)
     (tmp_path / "raw" / "cifar-10-batches-py").mkdir(parents=True)
     base = ["--no-tracking", "--run-dir", str(tmp_path / "runs")]
     cases = [
@@ -731,39 +738,42 @@ def test_a_few_images_per_gpu_are_warned_about_with_the_scaled_lr():
     """The Clothing1M recipe's global batch 32 on 8 GPUs is 4 images per GPU: the job says
     so, with the batch and the linearly scaled lr that reach 16 per GPU; one GPU, or CPUs,
     get no warning."""
-    args, run = _configs(clothing1m_lccn, ["--data", "/x"])
-    dist = common.DistConfig(run_name="r", run_dir="/r", train_source="/s", num_workers=8,
+    _, run = _configs(clothing1m_lccn, ["--data", "/x"])
+    dist = driver.DistConfig(run_name="r", run_dir="/r", train_source="/s", num_workers=8,
                              use_gpu=True)
-    text = common.small_batch_warning(run, dist)
+    text = driver.small_batch_warning(run, dist)
     assert run.optim.batch_size == 32 and "4 images per GPU" in text
     assert (f"--batch-size 128 with the lr scaled linearly (--scale-lr: --lr "
             f"{run.optim.lr * 4:g}" in text and "--sync-bn" in text)
-    assert common.small_batch_warning(run, dataclasses.replace(dist, num_workers=1)) is None
-    assert common.small_batch_warning(run, dataclasses.replace(dist, use_gpu=False)) is None
+    assert driver.small_batch_warning(run, dataclasses.replace(dist, num_workers=1)) is None
+    assert driver.small_batch_warning(run, dataclasses.replace(dist, use_gpu=False)) is None
 
 
 def test_scale_lr_applies_the_linear_rule_and_sync_bn_needs_gpus():
     """--scale-lr: the recipe's lr (and its lr phases) times --batch-size / the recipe's
-    batch, once however often the recipe is resolved; with --lr it is refused. --sync-bn
-    reaches DistConfig on GPU workers and is refused on CPUs with one line."""
+    batch, the same however often the configs are built; with --lr it is refused.
+    --sync-bn reaches DistConfig on GPU workers and is refused on CPUs with one line."""
     _, run0 = _configs(clothing1m_lccn, ["--data", "/x"])
     _, run = _configs(clothing1m_lccn, ["--data", "/x", "--batch-size", "128", "--scale-lr"])
     assert run.optim.batch_size == 128 and run.optim.lr == pytest.approx(run0.optim.lr * 4)
-    args, run = _configs(cifar_lccn, ["--data", "/x", "--batch-size", "256", "--scale-lr"])
+    args = cifar_lccn.get_args_parser().parse_args(["--data", "/x", "--batch-size", "256",
+                                                    "--scale-lr"])
+    cfg, again = cifar_lccn.config(args), cifar_lccn.config(args)  # no second scaling
     _, plain = _configs(cifar_lccn, ["--data", "/x"])
-    common.resolve_recipe(args)  # again: no second scaling
     factor = 256 / plain.optim.batch_size
-    assert args.lr == pytest.approx(plain.optim.lr * factor)
-    assert args.lr_values == pytest.approx([0.5 * factor, 0.1 * factor, 0.01 * factor])
+    assert cfg == again and cfg.run.optim.lr == pytest.approx(plain.optim.lr * factor)
+    assert list(cfg.lr_values) == pytest.approx([0.5 * factor, 0.1 * factor, 0.01 * factor])
     with pytest.raises(SystemExit, match="--scale-lr scales the recipe's lr"):
         _configs(cifar_lccn, ["--data", "/x", "--lr", "0.2", "--scale-lr"])
-    args, _ = _configs(cifar_lccn, ["--data", "/x", "--sync-bn"])
+
+    def dist(argv):
+        args = cifar_lccn.get_args_parser().parse_args(["--data", "/x", *argv])
+        return driver.dist_config(args, cifar_lccn.config(args), run_name="r", train="/s",
+                                  test=None, class_names=[], transform="cifar")
+
     with pytest.raises(SystemExit, match="--sync-bn needs --gpu"):
-        common.dist_config(args, run_name="r", train="/s", test=None, class_names=[],
-                           transform="cifar")
-    args, _ = _configs(cifar_lccn, ["--data", "/x", "--sync-bn", "--gpu"])
-    dist = common.dist_config(args, run_name="r", train="/s", test=None, class_names=[],
-                              transform="cifar")
+        dist(["--sync-bn"])
+    dist = dist(["--sync-bn", "--gpu"])
     assert dist.sync_bn and dist.use_gpu
     with pytest.raises(ValueError, match="sync_bn needs GPU workers"):
         dataclasses.replace(dist, use_gpu=False)
@@ -780,7 +790,7 @@ def test_sync_bn_converts_the_batch_norm_layers_in_place_keeping_the_parameters(
     import ray.train.torch
     import torch
 
-    from pipeline.dist.ray_train import RaySession
+    from pipeline.cluster.ray_train import RaySession
     from pipeline.train.models import build_model
 
     model = build_model("cnn_wide", 10)

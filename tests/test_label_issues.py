@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import csv
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -347,8 +346,7 @@ def test_a_real_run_ranks_planted_flips_first_beside_cleanlab(tmp_path):
     planted noise), 4 CE + 4 LCCN epochs, the posterior averaged over the last 3."""
     from mlflow import MlflowClient
 
-    sys.path.insert(0, str(REPO / "jobs"))
-    import quickstart_ray
+    from lccn_jobs import digits as quickstart_ray
 
     summary = quickstart_ray.main(["--epochs", "8", "--pretrain-epochs", "4", "--milestones",
                                    "--no-baseline", "--run-dir", str(tmp_path),

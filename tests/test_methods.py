@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -30,11 +29,11 @@ from pipeline.data.digits import clean_view, load_digits_arrays, split_indices, 
 from pipeline.train.methods import registered
 from pipeline.train.trainer import LocalTrainer, TensorData
 
+from lccn_jobs import digits as quickstart_ray
+from lccn_jobs.datasets import CIFAR as cifar_lccn
+from lccn_jobs.sources import write_synthetic_shards
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "jobs"))
-import cifar_lccn  # noqa: E402
-import common  # noqa: E402
-import quickstart_ray  # noqa: E402
 
 BASELINES = ("bootstrap", "forward", "sadapt", "trevision")
 
@@ -193,7 +192,7 @@ def test_learned_transition_is_checkpointed_and_resumed_exactly(method, epochs, 
     epoch (S-adaptation: step 30 of 38, resumed from step 28; T-Revision: step 50 of 57, in
     the revision stage, resumed from step 49) and resumes ends with the same network,
     transition layer (slack) and optimiser state as the uninterrupted run."""
-    from pipeline.dist.worker import DistConfig, LocalSession, run_worker
+    from pipeline.cluster.worker import DistConfig, LocalSession, run_worker
     from pipeline.train.checkpoints import load_state
 
     train, test, view = digits_shards
@@ -257,7 +256,7 @@ def _layer(weight: torch.Tensor) -> SAdaptation:
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray = pytest.importorskip("ray")
-    from pipeline.dist.ray_train import init_ray
+    from pipeline.cluster.ray_train import init_ray
 
     started = init_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
@@ -322,10 +321,10 @@ def test_each_baseline_runs_in_the_distributed_job(method, variant, ray_cluster,
 def test_jobs_refuse_a_bad_transition_file_before_ray(tmp_path):
     """A transition file that is missing or has a row that does not sum to 1 ends the job
     with one line naming the file, before any shard is read by Ray."""
-    tr, _ = common.write_synthetic_shards(tmp_path / "c10", dataset="cifar10", num_classes=10,
+    tr, _ = write_synthetic_shards(tmp_path / "c10", dataset="cifar10", num_classes=10,
                                           size=(8, 8), n_train=40, n_test=10, seed=0,
                                           shard_size=10, noisy_web_labels=False,
-                                          classes=cifar_lccn.SMOKE.classes)
+                                          classes=cifar_lccn.smoke.classes)
     bad = np.eye(10)
     bad[3, 4] = 0.5
     np.save(tmp_path / "bad.npy", bad)
@@ -340,9 +339,7 @@ def test_jobs_refuse_a_bad_transition_file_before_ray(tmp_path):
     args = cifar_lccn.get_args_parser().parse_args(
         ["--data", "/x", "--method", "trevision", "--transition", "eq8",
          "--revision-fraction", "0.25", "--bootstrap-beta", "0.7"])
-    args.in_channels = 3
-    args.warmup = "anchor"
-    run = common.run_config(args)
+    run = cifar_lccn.config(args).run
     assert run.method == "trevision" and run.baseline == BaselineConfig(
         bootstrap_beta=0.7, transition="eq8", revision_fraction=0.25)
 
@@ -384,3 +381,67 @@ def test_lccn_val_nll_is_the_noisy_labels_likelihood_through_its_phi(noisy_digit
     assert hist[-1]["val_nll"] == pytest.approx(noisy_nll_of(probs, labels, phi), rel=1e-6)
     assert torch.equal(trainer.method.noise_model(), phi)
     assert hist[-1]["val_nll"] != pytest.approx(noisy_nll_of(probs, labels, None), rel=1e-3)
+
+
+# -- what a method may use of the engine, and what others may know of a method ---------------
+
+
+def _engine_uses(path: Path) -> dict[str, int]:
+    """Attribute name -> first line, of every read of a method's engine in ``path``
+    (``self.engine.X``, ``engine.X``, ``eng.X``, ``method.engine.X``)."""
+    import ast
+
+    out: dict[str, int] = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute):
+            owner = ast.unparse(node.value)
+            if owner in ("engine", "eng", "self.engine", "method.engine"):
+                out.setdefault(node.attr, node.lineno)
+    return out
+
+
+def test_methods_use_only_what_the_engine_view_declares(noisy_digits):
+    """Every attribute the methods (and the report helpers they call with their engine) read
+    of the engine is declared by ``EngineView``, and the real engine has every one."""
+    import typing
+
+    from pipeline.train.methods.base import EngineView
+
+    declared = set(typing.get_type_hints(EngineView)) | {
+        n for n in vars(EngineView) if not n.startswith("_")}
+    files = [*sorted((REPO / "pipeline" / "train" / "methods").glob("*.py")),
+             REPO / "pipeline" / "train" / "report.py"]
+    used = {(f.name, name, line) for f in files for name, line in _engine_uses(f).items()}
+    assert {"data", "session", "reduce_cpu", "frozen_copy"} <= {u[1] for u in used}
+    undeclared = sorted(u for u in used if u[1] not in declared)
+    assert not undeclared, f"methods read engine attributes EngineView lacks: {undeclared}"
+    train, test = noisy_digits
+    engine = LocalTrainer(_run("lccn"), train, test).engine
+    assert all(hasattr(engine, name) for name in declared), \
+        sorted(n for n in declared if not hasattr(engine, n))
+
+
+def test_no_module_outside_the_methods_checks_a_method_by_its_name():
+    """What the driver, the jobs and Tune need to know of a method is a method attribute
+    (``needs_chain``, ``latent_classes``, ``reads``...): no comparison of a method's name
+    with a registered one outside ``pipeline/train/methods``, but the two programs whose
+    protocol is LCCN beside CE."""
+    import ast
+
+    names = set(registered())
+    protocol = {"jobs/quickstart.py", "lccn_jobs/digits.py"}  # LCCN, then CE beside it
+    bad = []
+    for folder in ("pipeline", "lccn_jobs", "tune", "jobs", "shards"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            rel = path.relative_to(REPO).as_posix()
+            if rel.startswith("pipeline/train/methods/") or rel in protocol:
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.Compare):
+                    continue
+                sides = [node.left, *node.comparators]
+                consts = {c.value for s in sides for c in ast.walk(s)
+                          if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+                if consts & names and any("method" in ast.unparse(s) for s in sides):
+                    bad.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    assert not bad, "\n".join(bad)

@@ -6,7 +6,6 @@ on Ray is ``tests/test_jobs.py::test_ray_job_submit_train_on_an_image_folder``."
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,12 +16,12 @@ from PIL import Image
 from pipeline.data.manifest import Manifest
 from pipeline.data.split_labels import read_split_labels
 from pipeline.data.transforms import build_sample_transform, get_preset, imagenet_preset
+from lccn_jobs.configs import noise_phase_steps
+from lccn_jobs.own_images import JOB as train
 from shards import cli, csvlist
 from shards.writer import ShardError
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "jobs"))
-import train  # noqa: E402
 
 CLASSES = ("airplane", "cat", "dog")
 
@@ -160,7 +159,7 @@ def test_train_job_on_a_plain_class_folder(own, tmp_path, capsys):
     assert (np.asarray(read_split_labels(str(test_dir))["clean"]) >= 0).all()
     assert (np.asarray(read_split_labels(str(train_dir))["clean"]) == -1).all()
     # the warm-up: half the noise phase's steps per worker, said in the log
-    steps = sum(train.common.noise_phase_steps(jr.run, m, 2))
+    steps = sum(noise_phase_steps(jr.run, m, 2))
     assert jr.run.lccn.warmup_steps == round(steps / 2) > 0
     assert any("warm-up:" in line for line in jr.lines())
     # a rerun reuses the shards (same folder, the files untouched)

@@ -12,7 +12,6 @@ import socket
 import sys
 import threading
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -260,15 +259,14 @@ def test_config_and_library_errors_are_clear(monkeypatch):
 
 
 def test_job_flag_sets_the_endpoint_of_the_run(tmp_path):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "jobs"))
-    import cifar_lccn
-    import common
+    from lccn_jobs.datasets import CIFAR
+    from lccn_jobs.driver import dist_config
 
-    args = cifar_lccn.get_args_parser().parse_args(
+    args = CIFAR.get_args_parser().parse_args(
         ["--train-shards", "s3://lccn/cifar10/train", "--s3-endpoint-url", "http://127.0.0.1:9000",
          "--run-dir", str(tmp_path)])
-    dist = common.dist_config(args, run_name="r", train=args.train_shards, test=None,
-                              class_names=[], transform="cifar")
+    dist = dist_config(args, CIFAR.config(args), run_name="r", train=args.train_shards,
+                       test=None, class_names=[], transform="cifar")
     assert dist.s3_endpoint_url == "http://127.0.0.1:9000"
     assert dist.train_source == "s3://lccn/cifar10/train"
 

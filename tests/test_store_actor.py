@@ -4,7 +4,6 @@ never written from a reset chain, and the counters survive a restart in the chec
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
@@ -12,14 +11,13 @@ import pytest
 import torch
 
 from pipeline.core.config import LCCNConfig, ModelConfig, OptimConfig, RunConfig
-from pipeline.dist.ray_train import initial_assignment_placeholder
-from pipeline.dist.store_actor import FenceError, LocalStoreClient, StoreActor
-from pipeline.dist.worker import DistConfig, LocalSession, run_worker
+from lccn_jobs import digits as quickstart_ray
+from pipeline.cluster.ray_train import initial_assignment_placeholder
+from pipeline.cluster.store_actor import FenceError, LocalStoreClient, StoreActor
+from pipeline.cluster.worker import DistConfig, LocalSession, run_worker
 from pipeline.train.checkpoints import load_state
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "jobs"))
-import quickstart_ray  # noqa: E402
 
 
 def _args(n=12, k=3):
@@ -134,7 +132,7 @@ def test_counters_survive_a_restart_through_the_checkpoint():
 @pytest.fixture(scope="module")
 def ray_local():
     ray = pytest.importorskip("ray")
-    from pipeline.dist.ray_train import init_ray
+    from pipeline.cluster.ray_train import init_ray
 
     started = init_ray(num_cpus=1, include_dashboard=False, log_to_driver=False)
     yield ray
@@ -172,7 +170,7 @@ def test_real_actor_kill_fences_control_calls_and_keeps_counters(ray_local):
     """SIGKILL of the real actor (Ray restarts it empty): check_state and snapshot are
     refused, not answered with the fresh state; reopening from the checkpointed state
     brings back C, z, version and the counters."""
-    from pipeline.dist.store_actor import ActorStoreClient, create_store_actor
+    from pipeline.cluster.store_actor import ActorStoreClient, create_store_actor
 
     obs, z0, k, _ = _args(40, 4)
     handle = create_store_actor("fence-test", obs, z0, k, k)
@@ -207,7 +205,7 @@ def test_non_finite_logits_stop_training_at_the_forward_pass():
     """A diverged model would otherwise hand NaN probabilities to the Gibbs step, which
     turns them into valid-looking labels and commits them."""
     from pipeline.core.sampler import gibbs_step
-    from pipeline.dist.ray_train import NonFiniteError, stop_on_non_finite
+    from pipeline.cluster.ray_train import NonFiniteError, stop_on_non_finite
 
     nan = torch.full((4, 3), float("nan"))
     z = gibbs_step(nan, torch.tensor([0, 1, 2, 0]), torch.tensor([0, 1, 2, 0]),
@@ -422,7 +420,7 @@ def test_push_packed_round_trips_and_packs_small():
     """The Ray client's wire format: int16 labels and moves, int32 counts, back to int64."""
     import numpy as np
 
-    from pipeline.dist.store_actor import unpack_sync
+    from pipeline.cluster.store_actor import unpack_sync
 
     a, b = _push_store(), _push_store()
     fa, fb = a.open(None), b.open(None)
@@ -457,7 +455,7 @@ def test_push_over_a_real_actor_keeps_the_chain_and_is_fenced(ray_local):
     """Two labelers push through ActorStoreClient (packed int16/int32 arrays, replies taken
     when they have arrived): C == recount(z), z holds every drawn label, the replicas
     catch up exactly; after the actor is killed and reopened, a push is refused."""
-    from pipeline.dist.store_actor import ActorStoreClient, create_store_actor
+    from pipeline.cluster.store_actor import ActorStoreClient, create_store_actor
 
     local = _push_store()
     handle = create_store_actor("push-test", local.observed, local.z, local.k_latent,

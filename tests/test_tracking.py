@@ -349,7 +349,7 @@ def test_uris_are_shown_without_their_password():
 def test_a_distributed_runs_parameters_never_carry_the_trackings_password(server):
     """A Train worker logs its DistConfig as parameters: tracked on a real server through a
     URI with ``user:secret@``, the run's parameters show ``user:***@`` and no password."""
-    from pipeline.dist.worker import DistConfig, _public
+    from pipeline.cluster.worker import DistConfig, _public
 
     base = server.wait()
     uri = base.replace("://", "://user:secret@", 1)
@@ -458,15 +458,14 @@ def test_mlflow_server_script_with_basic_auth_and_a_job_that_says_what_to_set(tm
         problem = tracking_access_problem(uri)
         assert problem and "HTTP 401" in problem and "MLFLOW_TRACKING_USERNAME" in problem
 
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "jobs"))
-        import cifar_lccn
-        import common
+        from lccn_jobs.datasets import CIFAR
+        from lccn_jobs.driver import run_job
 
-        args = cifar_lccn.get_args_parser().parse_args(
+        args = CIFAR.get_args_parser().parse_args(
             ["--smoke-test", "--run-dir", str(tmp_path / "runs"), "--tracking-uri", uri])
-        jr = cifar_lccn.prepare_run(args)
+        jr = CIFAR.prepare_run(args)
         with pytest.raises(SystemExit, match="refused no credentials .*MLFLOW_TRACKING_"):
-            common.run_job(args, job=cifar_lccn.JOB, run=jr.run, dist=jr.dist, view=jr.view)
+            run_job(args, job=CIFAR.name, run=jr.run, dist=jr.dist, view=jr.view)
 
         monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", "admin")
         monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", password)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import sys
+import runpy
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,14 +17,15 @@ from pipeline.core.noise import CIFAR10_ASYM_MAP, open_set, pair_flip, trusted_s
 from pipeline.data.digits import clean_view, load_digits_arrays, split_indices, to_tensor
 from pipeline.train.trainer import LocalTrainer, TensorData
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "jobs"))
-import quickstart  # noqa: E402
+# jobs/quickstart.py, the in-process comparison: a script, not a job of lccn_jobs
+quickstart_main = runpy.run_path(str(Path(__file__).resolve().parents[1] / "jobs"
+                                     / "quickstart.py"))["main"]
 
 
 @pytest.fixture(scope="module")
 def quickstart_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("quickstart")
-    return quickstart.main(["--seeds", "0", "1", "2", "--out", str(out)])
+    return quickstart_main(["--seeds", "0", "1", "2", "--out", str(out)])
 
 
 def test_lccn_beats_ce_on_noisy_digits_over_three_seeds(quickstart_results):

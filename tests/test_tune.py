@@ -280,7 +280,7 @@ def test_every_job_builds_a_trial_run_from_its_space(job, tmp_path):
                                     sweep_dir=str(tmp_path), trial_id="abc_00001",
                                     tracking_uri=f"sqlite:///{tmp_path}/m.db",
                                     experiment="lccn-sweep-x", parent_run_id="p123")
-    assert mod.JOB and args.run_name == "abc_00001"
+    assert mod.name and args.run_name == "abc_00001"
     assert jr.dist.run_dir == str(tmp_path / "trials" / "abc_00001")
     assert jr.dist.run_name == "abc_00001" and jr.dist.experiment == "lccn-sweep-x"
     assert dict(jr.dist.mlflow_tags) == {"mlflow.parentRunId": "p123",
@@ -316,7 +316,7 @@ def test_orphaned_placement_groups_are_released_and_others_kept():
     import ray
     from ray.util.placement_group import placement_group, placement_group_table
 
-    from pipeline.dist.ray_train import init_ray, release_orphaned_placement_groups
+    from pipeline.cluster.ray_train import init_ray, release_orphaned_placement_groups
 
     @ray.remote(num_cpus=0)
     class Maker:

@@ -9,4 +9,7 @@ validation accuracy and writes the table.
 
 Note: this package shadows nothing in Ray (Ray's is ``ray.tune``), but a script run from
 ``tune/`` itself must not ``import tune`` expecting Ray.
+
+May import: :mod:`pipeline` (every subpackage), :mod:`lccn_jobs` (the jobs a trial runs);
+Ray and MLflow.
 """

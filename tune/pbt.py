@@ -39,6 +39,7 @@ from typing import Any
 
 from ray.train.v2.api.callback import UserCallback
 
+from lccn_jobs.driver import run_job
 from pipeline.train.checkpoints import META_FILE, STATE_FILE
 from tune import trial
 from tune.reporting import epoch_result
@@ -187,9 +188,6 @@ def run_trial(config: dict[str, Any], **kwargs: Any) -> None:
     from ray.util.queue import Queue
 
 
-    trial.job_module(kwargs["job"])
-    import common
-
     trial_id = ray.tune.get_context().get_trial_id()
     run_dir = Path(kwargs["sweep_dir"]) / "trials" / trial_id
     run_name, tags = trial_id, []
@@ -210,15 +208,15 @@ def run_trial(config: dict[str, Any], **kwargs: Any) -> None:
         f.write(json.dumps({"time": time.time(), "run_name": run_name, "restored_from": source,
                             "epoch": epoch, "global_step": step, "config": config},
                            default=str) + "\n")
-    mod, args, jr = trial.trial_run(config, trial_id=trial_id, run_name=run_name,
+    job, args, jr = trial.trial_run(config, trial_id=trial_id, run_name=run_name,
                                     extra_tags=tags, **kwargs)
     queue = Queue(actor_options={"num_cpus": 0})
     errors: list[BaseException] = []
 
     def fit() -> None:
         try:
-            common.run_job(args, job=mod.JOB, run=jr.run, dist=jr.dist, view=jr.view,
-                           log=jr.lines(), callbacks=[CheckpointQueue(queue)])
+            run_job(args, job=job.name, run=jr.run, dist=jr.dist, view=jr.view,
+                    log=jr.lines(), callbacks=[CheckpointQueue(queue)])
         except BaseException as e:  # noqa: BLE001 - raised again in the trial's thread
             errors.append(e)
         finally:

@@ -51,11 +51,14 @@ from typing import Any
 
 from ray.tune import Callback
 
+from lccn_jobs.cli import default_run_dir, local_mirror, normal_run_dir
+from lccn_jobs.configs import apply_smoke
+from lccn_jobs.driver import connect_ray
 from pipeline.core import storage
 from pipeline.core.cli import run_location
 from pipeline.core.config import RunConfig
 from pipeline.core.options import apply_point
-from pipeline.dist.ray_train import release_orphaned_placement_groups
+from pipeline.cluster.ray_train import release_orphaned_placement_groups
 from pipeline.track import plots
 from pipeline.track.tracking import Tracker, add_tracking_options, tracking_uri_of
 from pipeline.track.uris import redact_args, redact_uri
@@ -75,7 +78,7 @@ from tune.search_spaces import (
     to_tune,
     with_alpha_grid,
 )
-from tune.trial import JOBS, parse_job_args, prepare_job_data, run_trial
+from tune.trial import JOBS, get_job, parse_job_args, prepare_job_data, run_trial
 
 TRIAL_MEMORY = 256 * 1024**2  # bytes the trial driver reserves (it takes no CPU)
 PARENT_TAG = "sweep_role"  # tag of the parent run ("parent"); children carry mlflow.parentRunId
@@ -212,11 +215,7 @@ def inert_keys(space: dict[str, Any], method: str) -> list[str]:
     loss (DivideMix's losses are not clipped); for a method with a chain, its ``ignores``
     (DivideLCCN trains on co-refined targets, so neither the LCCN target nor its ramp
     reaches it)."""
-    cls = get_method(method)
-    if not cls.needs_chain:
-        return [k for k in space if k.startswith("lccn.")
-                and (k != "lccn.xi" or method == "dividemix")]
-    return [k for k in space if k in cls.ignores]
+    return [k for k in space if not get_method(method).reads(k)]
 
 
 def parent_tracker(tracking_uri: str, experiment: str, name: str, params: dict[str, Any]):
@@ -361,7 +360,7 @@ class ReleasePlacementGroups(Callback):
     """Tune callback of the driver: every few seconds and when a trial ends, remove the
     placement groups of Train runs whose controller was killed with its trial (a trial ASHA
     stopped), so that their CPUs/GPUs go to the next trial
-    (:func:`pipeline.dist.ray_train.release_orphaned_placement_groups`)."""
+    (:func:`pipeline.cluster.ray_train.release_orphaned_placement_groups`)."""
 
     def __init__(self, every_s: float = 5.0) -> None:
         self.every_s, self.last = every_s, 0.0
@@ -387,30 +386,28 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
     "complete", "restored", "expected_trials", "trials": ranked table rows, "best_config",
     "best_metric", "best_test_top1", "errors", "parent_run_id", "table"}``. ``callbacks``:
     Tune callbacks of a new sweep (a restored one keeps those it was started with)."""
-    import common
     import ray
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
     from ray.tune.search.basic_variant import BasicVariantGenerator
 
-
     args = get_args_parser().parse_args(argv)
     metric, mode = args.metric, RANKING[args.metric]
     job_argv = list(args.job_args) + (["--smoke-test"] if args.smoke_test else [])
     job_args = parse_job_args(args.job, job_argv)  # refuses a bad job option now
-    probe = copy.deepcopy(job_args)
-    common.resolve_recipe(probe)  # the recipe of the job's dataset and method
+    probe = copy.deepcopy(job_args)  # the trials' run options and schedule
     if probe.smoke_test:
-        common.apply_smoke(probe)
-    if probe.val_fraction <= 0:
+        apply_smoke(probe)
+    epochs = get_job(args.job).config(probe).run.optim.epochs
+    if job_args.val_fraction <= 0:
         raise SystemExit("error: a sweep ranks trials on the noisy validation split: give the "
                          "job --val-fraction > 0 (default 0.05)")
     space = resolve_space(args)
-    inert = inert_keys(space, probe.method)
+    inert = inert_keys(space, job_args.method)
     if args.scheduler == "pbt":  # PBT's mutations name their keys: those stay
         inert = [k for k in inert if k not in pbt.MUTATIONS]
     if inert:  # dropped: columns that vary nothing, grids that only repeat trials
-        print(f"[sweep] note: --method {probe.method} does not read {', '.join(inert)}: "
+        print(f"[sweep] note: --method {job_args.method} does not read {', '.join(inert)}: "
               f"left out of the space", flush=True)
         space = {k: v for k, v in space.items() if k not in inert}
     if args.scheduler == "pbt":
@@ -421,7 +418,7 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
               f"samples of a grid point is the same run", flush=True)
     n_trials = expected_trials(space, num_samples)
     name = args.name or f"sweep-{args.job}-{time.strftime('%Y%m%d-%H%M%S')}"
-    sweep_dir = common.normal_run_dir(args.sweep_dir or common.default_run_dir("sweep"))
+    sweep_dir = normal_run_dir(args.sweep_dir or default_run_dir("sweep"))
     endpoint = storage.endpoint(getattr(job_args, "s3_endpoint_url", None))
     if endpoint and hasattr(job_args, "s3_endpoint_url"):
         job_args.s3_endpoint_url = endpoint  # every trial's, whatever its node's environment
@@ -440,7 +437,7 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
     except ValueError as e:
         raise SystemExit(f"error: --sweep-dir {e}") from None
     # data a job converts once for every trial: on this machine's disk
-    local = common.local_mirror(sweep_dir, "sweep") if storage.is_remote(sweep_dir) else sweep_dir
+    local = local_mirror(sweep_dir, "sweep") if storage.is_remote(sweep_dir) else sweep_dir
     for line in prepare_job_data(args.job, job_args, local):
         print(line, flush=True)
     experiment = f"lccn-sweep-{name}"
@@ -460,7 +457,7 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
             "quantile_fraction": args.quantile_fraction,
             "metric": metric, "mode": mode, "seed": args.seed,
             "job_args": " ".join(redact_args(job_argv))}})
-    started = common.connect_ray()
+    started = connect_ray()
     try:
         concurrent = max_concurrent(gpu=probe.gpu, num_workers=probe.num_workers,
                                     cpus_per_worker=probe.cpus_per_worker)
@@ -473,7 +470,7 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
                                parent_run_id=tracker.run_id if tracker else None)
         trainable = tune.with_resources(fn, {"cpu": 0, "memory": TRIAL_MEMORY})
         print(f"[sweep] {name}: {'resuming, ' if restored else ''}{n_trials} trials of "
-              f"{args.job} ({probe.epochs} epochs each), at most {concurrent} at once, "
+              f"{args.job} ({epochs} epochs each), at most {concurrent} at once, "
               f"{args.scheduler} on {metric} ({mode}); in {sweep_dir}; MLflow "
               f"{redact_uri(tracking) or 'off'}", flush=True)
         if restored:
@@ -484,11 +481,11 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
             # max_t one past the last epoch: ASHA never stops a trial at its last epoch,
             # which would kill its Train run before it writes its final results
             if args.scheduler == "asha":
-                scheduler = ASHAScheduler(time_attr=TIME_ATTR, max_t=probe.epochs + 1,
+                scheduler = ASHAScheduler(time_attr=TIME_ATTR, max_t=epochs + 1,
                                           grace_period=args.grace_period,
                                           reduction_factor=args.reduction_factor)
             elif args.scheduler == "pbt":
-                scheduler = pbt.make_scheduler(max_t=probe.epochs, fits=n_trials <= concurrent,
+                scheduler = pbt.make_scheduler(max_t=epochs, fits=n_trials <= concurrent,
                                                interval=args.perturbation_interval,
                                                quantile=args.quantile_fraction,
                                                seed=args.seed)
@@ -518,7 +515,7 @@ def main(argv: list[str] | None = None, *, callbacks: list[Any] | None = None
             ray.shutdown()
 
     complete = grid.num_terminated + grid.num_errors >= n_trials
-    rows = rank_trials(trial_records(grid, epochs=probe.epochs,
+    rows = rank_trials(trial_records(grid, epochs=epochs,
                                      sweep_dir=None if storage.is_remote(sweep_dir) else sweep_dir),
                        metric)
     best = rows[0] if rows and rows[0]["rank"] is not None else None

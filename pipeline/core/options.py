@@ -218,10 +218,10 @@ def add_option_groups(parser: argparse.ArgumentParser, flags: Iterable[str],
 
 
 def value_at(run: RunConfig, path: str) -> Any:
-    """The value of the field ``path`` (``"lccn.targets"``) of ``run``: what
-    :func:`apply_point` sets."""
-    section, _, name = path.partition(".")
-    return getattr(getattr(run, section), name)
+    """The value of the field ``path`` (``"lccn.targets"``, or a plain RunConfig field such
+    as ``"method"``) of ``run``: what :func:`apply_point` sets."""
+    section, _, name = path.rpartition(".")
+    return getattr(getattr(run, section), name) if section else getattr(run, name)
 
 
 def apply_point(run: RunConfig, point: Mapping[str, Any]) -> RunConfig:
@@ -257,12 +257,19 @@ def apply_point(run: RunConfig, point: Mapping[str, Any]) -> RunConfig:
     return dataclasses.replace(run, **top)
 
 
-def apply_options(run: RunConfig, args: argparse.Namespace,
-                  flags: Iterable[str] | None = None) -> RunConfig:
-    """``run`` with the value of every flag of ``flags`` (default: every flag of
-    :data:`FLAGS` that ``args`` has) that is set in ``args`` (not None)."""
+def options_point(args: argparse.Namespace, flags: Iterable[str] | None = None
+                  ) -> dict[str, Any]:
+    """The point (field path -> value) of every flag of ``flags`` (default: every flag of
+    :data:`FLAGS` that ``args`` has) that is set in ``args`` (not None); lists as tuples."""
     names = FLAGS if flags is None else flags
     point = {FLAGS[f]: getattr(args, dest(f)) for f in names
              if getattr(args, dest(f), None) is not None}
-    point = {k: tuple(v) if isinstance(v, list) else v for k, v in point.items()}
-    return apply_point(run, point)
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in point.items()}
+
+
+def apply_options(run: RunConfig, args: argparse.Namespace,
+                  flags: Iterable[str] | None = None) -> RunConfig:
+    """``run`` with the value of every flag of ``flags`` (default: every flag of
+    :data:`FLAGS` that ``args`` has) that is set in ``args`` (not None):
+    :func:`apply_point` of :func:`options_point`."""
+    return apply_point(run, options_point(args, flags))

@@ -3,7 +3,7 @@
 - :class:`LocalChain`: the chain's state in this process, an in-process
   :class:`~pipeline.core.confusion_store.ConfusionStore` made when the noise phase starts;
 - :class:`SharedChain`: a client of the run's fenced store actor (the actor itself and the
-  Ray plumbing live in :mod:`pipeline.dist`; this module only calls the client it is given);
+  Ray plumbing live in :mod:`pipeline.cluster`; this module only calls the client it is given);
 - :class:`ChainSet`: one of those per network, for a method with ``num_chains > 1``;
 - :class:`DistLabeler`: the labeler of a shared chain, re-seeded from (seed, rank, step)
   before each step so that no generator state has to be checkpointed.
@@ -121,7 +121,7 @@ class LocalChain:
 
 
 class SharedChain:
-    """The chain in the run's fenced store actor (:mod:`pipeline.dist.store_actor`): rank 0
+    """The chain in the run's fenced store actor (:mod:`pipeline.cluster.store_actor`): rank 0
     opens it (restoring the checkpointed C and z) and every rank joins its fence."""
 
     shared = True
@@ -154,7 +154,8 @@ class SharedChain:
         if bad.size:
             raise ValueError(f"the store counts {bad.size} samples of the noisy validation "
                              f"split (idx {bad[:5].tolist()}...): create it with "
-                             f"pipeline.dist.ray_train.initial_assignment_placeholder(view, run)")
+                             f"pipeline.cluster.ray_train."
+                             f"initial_assignment_placeholder(view, run)")
 
     def start(self, idx: Tensor, z0: Tensor, *, k_latent: int, trusted: Tensor | None,
               clean: Tensor) -> None:

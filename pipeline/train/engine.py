@@ -7,8 +7,8 @@ an object the engine is given; the loop itself is the same:
 - the :class:`~pipeline.train.session.Session`: rank, world size, device, collectives (``barrier``,
   ``all_reduce_sum``, ``all_gather``), ``prepare_model`` (DDP), ``load_checkpoint`` and
   ``report``. :class:`~pipeline.train.session.ProcessSession` (one process, nothing kept), ``LocalSession``
-  (:mod:`pipeline.dist.worker`: one process, checkpoints on disk) and ``RaySession``
-  (:mod:`pipeline.dist.ray_train`);
+  (:mod:`pipeline.cluster.worker`: one process, checkpoints on disk) and ``RaySession``
+  (:mod:`pipeline.cluster.ray_train`);
 - the data (:class:`~pipeline.train.sources.TensorSource`: in-memory tensors;
   :class:`~pipeline.train.shard_source.ShardSource`: the
   WebDataset loader of :mod:`pipeline.data.stream`, each rank its share): the training pass of an
@@ -121,7 +121,7 @@ class Tracking:
 class EngineOptions:
     """checkpoint_every: also checkpoint every n global steps inside an epoch (0: epoch
     ends only); pretrained: ImageNet weights; lr_values: per-phase learning rates (see
-    :class:`pipeline.dist.worker.DistConfig`); raise_on_collapse: the collapse monitor raises
+    :class:`pipeline.cluster.worker.DistConfig`); raise_on_collapse: the collapse monitor raises
     :class:`~pipeline.core.monitor.ChainCollapsed` itself (one process) instead of every rank
     stopping together after the epoch; after_step: called with the global step after each
     step (fault injection); on_epoch: called on rank 0 with (epoch, row)."""

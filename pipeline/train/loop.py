@@ -1,5 +1,6 @@
 """The one batch loop of every method (:func:`run_pass`), its single-network task
-(:class:`LabelTask`: CE, the classic baselines' losses, LCCN's Gibbs-sampled labels), and
+(:class:`LabelTask`: CE and the classic baselines' losses on the observed labels; LCCN's
+Gibbs-sampled labels are its subclass :class:`pipeline.train.methods.lccn.GibbsTask`), and
 ``predict`` / ``evaluate``. They return dicts of plain floats and never log or save; the
 caller does. A batch is anything with fields ``images (B,C,H,W)``, ``observed (B,)``,
 ``idx (B,)``, ``clean (B,)`` (-1 unknown, K outlier) and ``valid (B,) bool``.
@@ -35,13 +36,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from pipeline.core.losses import clipped_cross_entropy, soft_cross_entropy
-from pipeline.train.fastpath import HostStage, to_device
-from pipeline.train.labeler import GibbsLabeler
+from pipeline.core.losses import clipped_cross_entropy
+from pipeline.train.fastpath import to_device
 
 
 def _lookahead(batches: Iterable[Any]) -> Iterator[tuple[Any, Any | None]]:
-    """Yield (batch, next_batch or None) so the labeler can prefetch the next batch's z."""
+    """Yield (batch, next_batch or None) so a labeler can prefetch the next batch's z."""
     it = iter(batches)
     try:
         cur = next(it)
@@ -189,47 +189,27 @@ def run_pass(task: Task, batches: Iterable[Any], *, device: torch.device | str =
 
 
 class LabelTask(Task):
-    """One network trained toward one label per sample.
-
-    labeler None: cross-entropy on the observed labels (CE; trusted samples, if a
-    ``trusted (N,) bool`` lookup is given, train on their clean label), or
-    ``loss_fn(logits, labels, weight)`` on them (a baseline's loss; ``weight (B,)`` float
-    is 0 at padding); ``before_step()`` runs between backward and the optimiser step.
-    Otherwise LCCN: forward -> Gibbs-sample z (Eq. 7) -> ξ-clipped CE on z (or, with
-    ``targets="posterior"``, on the Eq. 7 conditional z was drawn from; ``"map"``: its arg
-    max), the observed label's CE mixed in while the labeler's ramp is below 1 -> backward
-    -> optimiser step -> commit z (async; the store's reply is awaited by the next sample);
-    ``observe(idx (B,), posterior (B, K_latent), valid (B,) bool)`` sees the Eq. 7
-    conditional of every batch (LCCN*'s p(outlier) average, the label-issue report).
-    ``sampler_model``: the network whose class probabilities Eq. 7 reads instead of the
-    trained one's (an eval-mode network no step trains; :attr:`LCCNConfig.guard_sampler`).
-
-    On an accelerator z goes to the host through a pinned buffer whose copy is enqueued
-    right after sampling and awaited only after backward and the optimiser step are
-    enqueued, so the device stays busy.
+    """One network trained toward one label per sample: cross-entropy on the observed labels
+    (CE; trusted samples, if a ``trusted (N,) bool`` lookup is given, train on their clean
+    label), or ``loss_fn(logits, labels, weight)`` on them (a baseline's loss; ``weight
+    (B,)`` float is 0 at padding); ``before_step()`` runs between backward and the
+    optimiser step. LCCN's pass, which trains on Gibbs-sampled labels instead, is
+    :class:`pipeline.train.methods.lccn.GibbsTask`, a subclass.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
-                 labeler: GibbsLabeler | None = None, trusted: Tensor | None = None,
-                 xi: float = 1e-20, known_below: int | None = None,
+                 trusted: Tensor | None = None, xi: float = 1e-20,
+                 known_below: int | None = None,
                  loss_fn: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
-                 before_step: Callable[[], None] | None = None,
-                 observe: Callable[[Tensor, Tensor, Tensor], None] | None = None,
-                 sampler_model: nn.Module | None = None) -> None:
+                 before_step: Callable[[], None] | None = None) -> None:
         self.model, self.optimizers = model, (optimizer,)
-        self.sampler_model = sampler_model
-        self.labeler, self.trusted, self.xi = labeler, trusted, xi
+        self.trusted, self.xi = trusted, xi
         self.known_below = known_below
-        self.loss_fn, self._before_step, self.observe = loss_fn, before_step, observe
-        self.stage = HostStage()
+        self.loss_fn, self._before_step = loss_fn, before_step
 
     def begin(self) -> None:
         self.model.train()
-        self.steps = 0
-        self.changed: Tensor | None = None  # summed on the device, read once in end()
         self.fit_sum: Tensor | None = None  # (loss, count) summed on the observed labels
-        self.staleness = self.sampler = self.sync = 0.0
-        self.gamma = 1.0
 
     def rows(self, batch: Any) -> tuple[Tensor, ...]:
         observed = batch.observed
@@ -237,97 +217,46 @@ class LabelTask(Task):
             return (observed,)
         return (torch.where(self.trusted[batch.idx], batch.clean, observed),)
 
-    def forward(self, k: int, step: StepInput) -> tuple[Tensor, Tensor]:
-        b, (labels_d,) = step.batch, step.rows
-        lab = self.labeler
-        if lab is not None and self.steps == 0:
-            lab.prefetch(b.idx)
-        self.steps += 1
+    def logits(self, step: StepInput) -> tuple[Tensor, Tensor, Tensor]:
+        """The network's ``logits (B, K_out)`` on the batch, the rows' weights ``(B,)`` (0 at
+        padding) and the labels CE trains on ``(B,)``; the classifier's own fit of those
+        labels (the memorisation signal, against LCCN's noise_floor) is summed for
+        ``observed_loss``, whatever the task's loss: no gradient, no device read."""
+        (labels_d,) = step.rows
         logits = self.model(step.images)
         w = step.valid.to(torch.float32)
-        # the classifier's own fit of the labels CE trains on, whatever the method's loss
-        # (the memorisation signal, against LCCN's noise_floor): no gradient, no device read
         nll = -torch.log_softmax(logits.detach().float(), 1).gather(1, labels_d[:, None])[:, 0]
         fit = torch.stack(((nll * w).sum(), w.sum())).to(torch.float64)
         self.fit_sum = fit if self.fit_sum is None else self.fit_sum + fit
-        if lab is None:
-            if self.loss_fn is not None:
-                return self.loss_fn(logits, labels_d, w), labels_d
-            return clipped_cross_entropy(logits, labels_d, xi=self.xi, weight=w), labels_d
-        t0 = time.perf_counter()
-        if self.sampler_model is None:
-            probs = torch.softmax(logits.detach().float(), dim=1)
-        else:
-            with torch.no_grad():
-                probs = torch.softmax(self.sampler_model(step.images).float(), dim=1)
-        z, stats = lab.sample(probs, b.observed, b.idx)
-        self.sampler += time.perf_counter() - t0 - stats.wait
-        self.sync += stats.wait
-        if self.observe is not None:
-            self.observe(b.idx, stats.posterior, b.valid)
-        target = z if lab.cfg.targets != "map" else stats.posterior.argmax(1)
-        target = target.to(step.images.device, non_blocking=True)
-        self.stage.put(z)  # to the host for the commit, without waiting for it here
-        if self.changed is None:
-            self.changed = torch.zeros((), dtype=torch.float64, device=step.images.device)
-        self.changed += stats.changed
-        self.staleness += stats.staleness
-        self.gamma = stats.gamma
-        if lab.cfg.targets == "posterior":
-            loss = soft_cross_entropy(logits, stats.posterior.to(step.images.device), xi=self.xi,
-                                      weight=w)
-        else:
-            loss = clipped_cross_entropy(logits, target, xi=self.xi, weight=w)
-        if stats.ramp < 1.0:
-            # the LCCN target's weight ramps up from 0: a weak pretrained classifier keeps
-            # learning from the observed labels while its own posterior is still poor
-            loss = stats.ramp * loss + (1.0 - stats.ramp) * clipped_cross_entropy(
-                logits, labels_d, xi=self.xi, weight=w)
-        return loss, target
+        return logits, w, labels_d
+
+    def forward(self, k: int, step: StepInput) -> tuple[Tensor, Tensor]:
+        logits, w, labels_d = self.logits(step)
+        if self.loss_fn is not None:
+            return self.loss_fn(logits, labels_d, w), labels_d
+        return clipped_cross_entropy(logits, labels_d, xi=self.xi, weight=w), labels_d
 
     def before_step(self, k: int) -> None:
         if self._before_step is not None:
             self._before_step()
 
-    def after_step(self, k: int, step: StepInput) -> None:
-        if self.labeler is None:
-            return
-        # send the labels now: the round trip overlaps the next forward; the reply is
-        # awaited by the next sample()
-        t0 = time.perf_counter()
-        b, nxt = step.batch, step.nxt
-        z_host = self.stage.get()
-        self.labeler.commit(b.idx[b.valid], z_host[b.valid], nxt.idx if nxt is not None else None)
-        self.sync += time.perf_counter() - t0
-
     def end(self) -> dict[str, float]:
         obs = [float("nan"), 0.0] if self.fit_sum is None else self.fit_sum.tolist()
-        fit = {"observed_loss": obs[0] / obs[1] if obs[1] > 0 else float("nan")}
-        if self.labeler is None:
-            return fit
-        self.sync += self.labeler.flush()
-        per = max(self.steps, 1)
-        changed = 0.0 if self.changed is None else float(self.changed)
-        return {**fit, "changed": changed / per, "staleness": self.staleness / per,
-                "gamma": float(self.gamma), "sampler_time": self.sampler,
-                "sync_time": self.sync}
+        return {"observed_loss": obs[0] / obs[1] if obs[1] > 0 else float("nan")}
 
 
 def train_one_epoch(model: nn.Module, batches: Iterable[Any], optimizer: torch.optim.Optimizer, *,
-                    labeler: GibbsLabeler | None = None, trusted: Tensor | None = None,
-                    xi: float = 1e-20, device: torch.device | str = "cpu",
-                    num_classes: int | None = None,
+                    trusted: Tensor | None = None, xi: float = 1e-20,
+                    device: torch.device | str = "cpu", num_classes: int | None = None,
                     after_step: Callable[[], None] | None = None,
                     loss_fn: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
-                    before_step: Callable[[], None] | None = None,
-                    observe: Callable[[Tensor, Tensor, Tensor], None] | None = None
-                    ) -> dict[str, float]:
+                    before_step: Callable[[], None] | None = None) -> dict[str, float]:
     """One pass of a :class:`LabelTask` over ``batches`` (:func:`run_pass`): a single
     network outside a method (the step benchmarks). ``num_classes``: label recovery counts
     clean labels in ``[0, K]`` (the outlier class K included)."""
-    task = LabelTask(model, optimizer, labeler=labeler, trusted=trusted, xi=xi,
+    task = LabelTask(model, optimizer, trusted=trusted, xi=xi,
                      known_below=None if num_classes is None else num_classes + 1,
-                     loss_fn=loss_fn, before_step=before_step, observe=observe)
+                     loss_fn=loss_fn, before_step=before_step)
     return run_pass(task, batches, device=device, after_step=after_step)
 
 

@@ -3,8 +3,8 @@
 A :class:`Session` gives the engine its rank, world size, device, collectives
 (``barrier``, ``all_reduce_sum``, ``all_gather``), ``prepare_model`` (DDP),
 ``load_checkpoint`` and ``report``. :class:`ProcessSession` is one process with nothing
-kept; ``LocalSession`` (:mod:`pipeline.dist.worker`: one process, checkpoints on disk) and
-``RaySession`` (:mod:`pipeline.dist.ray_train`) build on :class:`ProcessSession` and
+kept; ``LocalSession`` (:mod:`pipeline.cluster.worker`: one process, checkpoints on disk) and
+``RaySession`` (:mod:`pipeline.cluster.ray_train`) build on :class:`ProcessSession` and
 :class:`TorchCollectives`. The engine never reads the rank from global state.
 
 Imports: torch only.

@@ -138,7 +138,7 @@ class LocalTrainer:
     may load weights into :attr:`model` before :meth:`fit`).
 
     session: by default a :class:`~pipeline.train.session.ProcessSession` (no checkpoints); a
-    ``pipeline.dist.worker.LocalSession`` writes a checkpoint at every epoch end (with the
+    ``pipeline.cluster.worker.LocalSession`` writes a checkpoint at every epoch end (with the
     generator's state) and a new trainer on the same session resumes from the newest.
 
     out_dir: where the method's end-of-run files go (LCCN*: ``outliers.csv``, whose idx

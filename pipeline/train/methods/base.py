@@ -35,18 +35,88 @@ method at fixed points of every epoch::
 
 Every method runs on every rank; collectives (``engine.session``, ``engine.reduce_cpu``,
 :func:`pipeline.train.session.all_gather_rows`) must be called by all ranks alike.
+
+What a method may use of the engine is :class:`EngineView` (the engine,
+:class:`pipeline.train.engine.Engine`, is one; ``tests/test_methods.py`` checks that the
+methods use nothing else). What the jobs, the driver and Tune need to know of a method
+beyond its name are class attributes (``needs_chain``, ``ignores``, ``reads_divide``,
+``reads_transition``, ...) and class methods (:meth:`Method.latent_classes`,
+:meth:`Method.reads`, :meth:`Method.names_samples`), never a comparison of its name.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
 
+import numpy as np
+import torch
 from torch import Tensor, nn
 
 from pipeline.core.config import RunConfig
 from pipeline.core.options import value_at
+from pipeline.train.chains import ChainSet, LocalChain, SharedChain
 from pipeline.train.loop import LabelTask, Task, evaluate
+from pipeline.train.members import Member
+from pipeline.train.session import Session
+
+
+class MethodData(Protocol):
+    """What a method reads of the engine's data source
+    (:class:`~pipeline.train.sources.TensorSource`,
+    :class:`~pipeline.train.shard_source.ShardSource`): the training split's labels by idx
+    ``(N,)`` (``observed`` int64; ``clean`` int64, -1 unknown, K an outlier; ``trusted``
+    bool), its true transition ``(K, K)`` where the noise is synthetic (else None), the
+    noisy validation rows ``held_out (N,) bool`` (or None), and the training split in eval
+    mode and the validation split as batches (this rank's share)."""
+
+    num_samples: int
+    num_classes: int
+    observed: Tensor
+    clean: Tensor
+    trusted: Tensor
+    transition: Any
+    held_out: np.ndarray | None
+
+    def train_eval_batches(self) -> Iterable[Any]: ...
+    def val_batches(self) -> Iterable[Any] | None: ...
+
+
+class MethodOptions(Protocol):
+    """The engine's options a method reads (:class:`pipeline.train.engine.EngineOptions`)."""
+
+    lr_values: tuple[float, ...]
+    raise_on_collapse: bool
+    normalize: nn.Module | None
+    sample_keys: Sequence[str] | None
+
+
+class EngineView(Protocol):
+    """What a method may use of the engine that runs it: the session (rank, collectives),
+    the device, the data, the chain backend (None for a method without a chain; a
+    :class:`~pipeline.train.chains.ChainSet` for ``num_chains > 1``), the options above, K
+    and K_latent, the members it built, the epoch rows so far, the global step, and five
+    services: a new network (``make_member``), a CPU all-reduce (``reduce_cpu``), the
+    noisy-validation accuracy (``val_top1``), the learning rate the weights were last
+    trained at (``trained_lr``) and a frozen copy of a member (``frozen_copy``)."""
+
+    session: Session
+    device: torch.device
+    data: MethodData
+    chain: LocalChain | SharedChain | ChainSet | None
+    options: MethodOptions
+    num_classes: int
+    k_latent: int
+    members: list[Member]
+    history: list[dict[str, float]]
+    global_step: int
+
+    def make_member(self, index: int = 0, *, num_outputs: int | None = None) -> Member: ...
+    def reduce_cpu(self, t: Tensor) -> Tensor: ...
+    def val_top1(self) -> float: ...
+    def trained_lr(self) -> float | None: ...
+    def frozen_copy(self, member: Member, state: dict[str, Tensor] | None = None
+                    ) -> tuple[nn.Module, nn.Module]: ...
 
 _REGISTRY: dict[str, type["Method"]] = {}
 
@@ -100,10 +170,42 @@ class Method:
     # value out for it and Tune leaves them out of its space
     ignores: tuple[str, ...] = ()
     ignores_why = ""  # why, said in refuse_ignored's message
+    # its loss is clipped at LCCNConfig.xi: the one LCCNConfig field a method without a
+    # chain reads (every single-network method's; DivideMix's losses are not clipped)
+    clips_at_xi = True
+    # it reads DivideConfig (DivideMix, DivideLCCN: the presets table shows those values)
+    reads_divide = False
+    # it reads BaselineConfig.transition and its file (Forward, T-Revision: the jobs check
+    # the file before Ray starts)
+    reads_transition = False
 
-    def __init__(self, run: RunConfig, engine: Any) -> None:
+    def __init__(self, run: RunConfig, engine: EngineView) -> None:
         self.run, self.engine = run, engine
         self.num_classes = engine.num_classes
+
+    @classmethod
+    def latent_classes(cls, run: RunConfig, num_classes: int) -> int:
+        """K_latent, the rows of the chain's counts and the classifier's outputs, for
+        ``num_classes`` observed classes (K; LCCN* K + 1)."""
+        return num_classes
+
+    @classmethod
+    def names_samples(cls, run: RunConfig) -> bool:
+        """Whether the method's end-of-run files name every training sample by its key
+        (LCCN*'s ``outliers.csv``): the driver then reads the split's keys."""
+        return False
+
+    @classmethod
+    def reads(cls, path: str) -> bool:
+        """Whether the method reads the RunConfig field ``path`` (``"lccn.alpha"``): a
+        method with a chain every field but its ``ignores``; one without none of
+        LCCNConfig's but ``lccn.xi`` (when its loss is clipped). Tune leaves a field out of a
+        method's search space when it does not."""
+        if path in cls.ignores:
+            return False
+        if cls.needs_chain or not path.startswith("lccn."):
+            return True
+        return path == "lccn.xi" and cls.clips_at_xi
 
     # -- networks -------------------------------------------------------------------------------
 
@@ -114,7 +216,7 @@ class Method:
 
     def num_outputs(self) -> int:
         """Logits of the classifier (K; LCCN* K + 1)."""
-        return self.num_classes
+        return self.latent_classes(self.run, self.num_classes)
 
     def build_members(self) -> list:
         return [self.engine.make_member(0)]

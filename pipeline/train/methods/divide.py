@@ -82,6 +82,8 @@ class DivideMix(Method):
     resumed inside that epoch keeps it)."""
 
     name = "dividemix"
+    reads_divide = True
+    clips_at_xi = False
 
     def __init__(self, run, engine) -> None:
         super().__init__(run, engine)

@@ -27,6 +27,7 @@ class Forward(BaselineMethod):
     """State: ``forward_T`` (K, K) float64, None until the noise phase starts."""
 
     name = "forward"
+    reads_transition = True
 
     def __init__(self, run, engine) -> None:
         super().__init__(run, engine)

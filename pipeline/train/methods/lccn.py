@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import csv
 import io
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 from torch import Tensor
 
 from pipeline.core.confusion import transition, transition_error
+from pipeline.core.losses import clipped_cross_entropy, soft_cross_entropy
 from pipeline.core.monitor import (
     CollapseMonitor,
     chain_health,
@@ -27,8 +29,9 @@ from pipeline.core.monitor import (
 )
 from pipeline.core.posterior import STATE_KEY, PosteriorWindow
 from pipeline.core.warmup import estimate_phi_init, initial_latents
+from pipeline.train.fastpath import HostStage
 from pipeline.train.labeler import GibbsLabeler
-from pipeline.train.loop import LabelTask, Task, predict
+from pipeline.train.loop import LabelTask, StepInput, Task, predict
 from pipeline.train.methods.base import Method, register
 from pipeline.train.report import accumulator_for, finish_epoch, record_if_selected
 
@@ -51,6 +54,94 @@ def outlier_table(p_outlier: Tensor, observed: Tensor, rows: Tensor, *, threshol
         w.writerow((r, key, int(observed[r]), "" if p != p else f"{p:.6f}",
                     "" if p != p else int(p > threshold)))
     return out.getvalue()
+
+
+class GibbsTask(LabelTask):
+    """LCCN's training pass in the noise phase: forward -> Gibbs-sample z (Eq. 7) with the
+    ``labeler`` -> ξ-clipped CE on z (or, with ``targets="posterior"``, on the Eq. 7
+    conditional z was drawn from; ``"map"``: its arg max), the observed label's CE mixed in
+    while the labeler's ramp is below 1 -> backward -> optimiser step -> commit z (async;
+    the store's reply is awaited by the next sample). ``observe(idx (B,), posterior (B,
+    K_latent), valid (B,) bool)`` sees the Eq. 7 conditional of every batch (LCCN*'s
+    p(outlier) average, the label-issue report). ``sampler_model``: the network whose
+    class probabilities Eq. 7 reads instead of the trained one's (an eval-mode network no
+    step trains; :attr:`LCCNConfig.guard_sampler`, :attr:`LCCNConfig.teacher`).
+
+    On an accelerator z goes to the host through a pinned buffer whose copy is enqueued
+    right after sampling and awaited only after backward and the optimiser step are
+    enqueued, so the device stays busy.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                 labeler: GibbsLabeler, trusted: Tensor | None = None, xi: float = 1e-20,
+                 known_below: int | None = None,
+                 observe: Callable[[Tensor, Tensor, Tensor], None] | None = None,
+                 sampler_model: torch.nn.Module | None = None) -> None:
+        super().__init__(model, optimizer, trusted=trusted, xi=xi, known_below=known_below)
+        self.labeler, self.observe, self.sampler_model = labeler, observe, sampler_model
+        self.stage = HostStage()
+
+    def begin(self) -> None:
+        super().begin()
+        self.steps = 0
+        self.changed: Tensor | None = None  # summed on the device, read once in end()
+        self.staleness = self.sampler = self.sync = 0.0
+        self.gamma = 1.0
+
+    def forward(self, k: int, step: StepInput) -> tuple[Tensor, Tensor]:
+        b, lab = step.batch, self.labeler
+        if self.steps == 0:
+            lab.prefetch(b.idx)
+        self.steps += 1
+        logits, w, labels_d = self.logits(step)
+        t0 = time.perf_counter()
+        if self.sampler_model is None:
+            probs = torch.softmax(logits.detach().float(), dim=1)
+        else:
+            with torch.no_grad():
+                probs = torch.softmax(self.sampler_model(step.images).float(), dim=1)
+        z, stats = lab.sample(probs, b.observed, b.idx)
+        self.sampler += time.perf_counter() - t0 - stats.wait
+        self.sync += stats.wait
+        if self.observe is not None:
+            self.observe(b.idx, stats.posterior, b.valid)
+        target = z if lab.cfg.targets != "map" else stats.posterior.argmax(1)
+        target = target.to(step.images.device, non_blocking=True)
+        self.stage.put(z)  # to the host for the commit, without waiting for it here
+        if self.changed is None:
+            self.changed = torch.zeros((), dtype=torch.float64, device=step.images.device)
+        self.changed += stats.changed
+        self.staleness += stats.staleness
+        self.gamma = stats.gamma
+        if lab.cfg.targets == "posterior":
+            loss = soft_cross_entropy(logits, stats.posterior.to(step.images.device), xi=self.xi,
+                                      weight=w)
+        else:
+            loss = clipped_cross_entropy(logits, target, xi=self.xi, weight=w)
+        if stats.ramp < 1.0:
+            # the LCCN target's weight ramps up from 0: a weak pretrained classifier keeps
+            # learning from the observed labels while its own posterior is still poor
+            loss = stats.ramp * loss + (1.0 - stats.ramp) * clipped_cross_entropy(
+                logits, labels_d, xi=self.xi, weight=w)
+        return loss, target
+
+    def after_step(self, k: int, step: StepInput) -> None:
+        # send the labels now: the round trip overlaps the next forward; the reply is
+        # awaited by the next sample()
+        t0 = time.perf_counter()
+        b, nxt = step.batch, step.nxt
+        z_host = self.stage.get()
+        self.labeler.commit(b.idx[b.valid], z_host[b.valid], nxt.idx if nxt is not None else None)
+        self.sync += time.perf_counter() - t0
+
+    def end(self) -> dict[str, float]:
+        fit = super().end()
+        self.sync += self.labeler.flush()
+        per = max(self.steps, 1)
+        changed = 0.0 if self.changed is None else float(self.changed)
+        return {**fit, "changed": changed / per, "staleness": self.staleness / per,
+                "gamma": float(self.gamma), "sampler_time": self.sampler,
+                "sync_time": self.sync}
 
 
 @register
@@ -113,8 +204,13 @@ class LCCN(Method):
         self.report = accumulator_for(run, engine, k_latent=self.num_outputs())
         self.windows = [w for w in (self.outlier_mean, self.report) if w is not None]
 
-    def num_outputs(self) -> int:
-        return self.num_classes + 1 if self.cfg.outlier else self.num_classes
+    @classmethod
+    def latent_classes(cls, run, num_classes: int) -> int:
+        return num_classes + 1 if run.lccn.outlier else num_classes
+
+    @classmethod
+    def names_samples(cls, run) -> bool:
+        return run.lccn.outlier  # outliers.csv
 
     def in_noise_phase(self, epoch: int) -> bool:
         return epoch >= self.run.optim.pretrain_epochs
@@ -219,7 +315,8 @@ class LCCN(Method):
 
     def _remember_best(self) -> None:
         """Keep a copy of the weights (the weight average's when there is one) after each
-        epoch from the noise phase's start (the last CE epoch included) whose noisy
+        epoch from the noise phase's start (the last CE epoch included, except for LCCN*,
+        whose outlier output that network has not trained) whose noisy
         validation accuracy beats every earlier one's: the network Eq. 7 reads with
         ``teacher="best"``, or is frozen at when a guard fires. The last row is the epoch
         just ended, whose weights these are."""
@@ -228,7 +325,10 @@ class LCCN(Method):
             return
         row = hist[-1]
         epoch = int(row.get("epoch", -1))
-        if epoch <= self._best["seen"] or epoch < self.run.optim.pretrain_epochs - 1:
+        # LCCN*: a network from before the noise phase never trained its outlier output,
+        # so it could not read an outlier posterior; the candidates start one epoch later
+        first = self.run.optim.pretrain_epochs - (0 if self.cfg.outlier else 1)
+        if epoch <= self._best["seen"] or epoch < first:
             return
         self._best["seen"] = epoch
         val = float(row.get("val_top1", float("nan")))
@@ -329,10 +429,13 @@ class LCCN(Method):
             for fn in observers:
                 fn(idx, posterior)
 
-        return LabelTask(m.train_model, m.optimizer, labeler=active, trusted=self.trusted,
+        if active is None:
+            return LabelTask(m.train_model, m.optimizer, trusted=self.trusted, xi=self.cfg.xi,
+                             known_below=self.num_classes + 1)
+        return GibbsTask(m.train_model, m.optimizer, labeler=active, trusted=self.trusted,
                          xi=self.cfg.xi, known_below=self.num_classes + 1,
                          observe=observe if observers else None,
-                         sampler_model=self.sampler_model if active is not None else None)
+                         sampler_model=self.sampler_model)
 
     def end_pass(self, epoch: int) -> None:
         if self.labeler is not None:

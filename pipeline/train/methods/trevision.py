@@ -46,6 +46,7 @@ from pipeline.train.methods.baseline import (
 @register
 class TRevision(BaselineMethod):
     name = "trevision"
+    reads_transition = True
 
     def __init__(self, run, engine) -> None:
         super().__init__(run, engine)

@@ -22,7 +22,7 @@ folders Ray does not manage (:func:`prune_checkpoints`).
 
 Worker (:func:`train_loop_per_worker`): rebuilds the configs from their ``asdict`` form,
 reads rank and world size from ``ray.train.get_context()`` into a :class:`RaySession`, gets
-the actor by name and runs :func:`pipeline.dist.worker.run_worker`.
+the actor by name and runs :func:`pipeline.cluster.worker.run_worker`.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from pipeline.core.config import RunConfig, from_dict
 from pipeline.core.confusion_store import ConfusionStore
 from pipeline.core.labels import LabelView
 from pipeline.core.storage import Location
-from pipeline.dist.store_actor import ActorStoreClient, create_store_actor, store_actor_name
-from pipeline.dist.worker import DistConfig, run_worker
+from pipeline.cluster.store_actor import ActorStoreClient, create_store_actor, store_actor_name
+from pipeline.cluster.worker import DistConfig, run_worker
 from pipeline.train.checkpoints import (
     checkpoint_step,
     load_state,
@@ -242,7 +242,7 @@ def progress_line(row: dict[str, float], *, run_name: str, epochs: int,
     import math
 
     e = int(row.get("epoch", -1)) + 1
-    phase = "ce" if method == "ce" or e <= pretrain_epochs else method
+    phase = "ce" if e <= pretrain_epochs else method
     vals = "  ".join(f"{k} {row[k]:.3f}" for k in PROGRESS_KEYS
                      if isinstance(row.get(k), float) and math.isfinite(row[k]))
     took = f"  {row['epoch_time']:.1f} s" if "epoch_time" in row else ""
@@ -491,10 +491,10 @@ def fit_distributed(run: RunConfig, dist: DistConfig, view: LabelView, *,
     init_ray()
 
     k = view.num_classes
-    k_latent = k + 1 if (run.method == "lccn" and run.lccn.outlier) else k
+    method = get_method(run.method)
+    k_latent = method.latent_classes(run, k)
     handles: list[Any] = []
     name: str | list[str] | None = None
-    method = get_method(run.method)
     if method.needs_chain:
         z_init, counted = initial_assignment_placeholder(view, run)
         # one actor per chain (DivideLCCN: one per network), each with its own fence

@@ -3,8 +3,8 @@ the WebDataset shards, with the Gibbs chain in the run's fenced store actor.
 
 :func:`run_worker` reads nothing from global state: a session gives it its rank, world
 size, device, collectives, the checkpoint to resume from and ``report``; a store client
-(:mod:`pipeline.dist.store_actor`) gives it the shared C and z. Under Ray,
-:mod:`pipeline.dist.ray_train` supplies a session over ``ray.train`` and a client of the
+(:mod:`pipeline.cluster.store_actor`) gives it the shared C and z. Under Ray,
+:mod:`pipeline.cluster.ray_train` supplies a session over ``ray.train`` and a client of the
 confusion actor; tests run it in one process with :class:`LocalSession` and an in-process
 store. The method (``RunConfig.method``) is a plug-in of :mod:`pipeline.train.methods`.
 

@@ -1,0 +1,147 @@
+"""What a job tells its user at the end of a run: the summary (metrics, the selected
+epoch, the learned transition beside the true one, the files written) printed and written
+as ``results/<run>.json`` under the run dir, the method's end-of-run files beside it, and
+the label-issue report.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from pipeline.cluster.worker import DistConfig
+from pipeline.core import storage
+from pipeline.core.config import json_safe
+from pipeline.core.labels import LabelView
+from pipeline.core.noise import format_transition
+from pipeline.track.label_issues import job_report
+from pipeline.track.uris import redact_uri
+from pipeline.train.engine import select_epoch
+
+
+def summarise(out: dict[str, Any], *, job: str, dist: DistConfig, view: LabelView,
+              seconds: float) -> dict[str, Any]:
+    """The summary of a finished run (``out``: the result of
+    :func:`pipeline.cluster.ray_train.fit_distributed`), printed, and written with the
+    method's files under ``<run-dir>/results``. Returns it."""
+    metrics = dict(out["metrics"] or {})
+    state = out["state"] or {}
+    summary = {
+        "job": job, "run_name": dist.run_name, "run_dir": dist.run_dir, "seconds": seconds,
+        "metrics": metrics, "checkpoint": out["checkpoint"], "store": out["store"],
+        "mlflow_run_id": state.get("mlflow_run_id"),
+        "tracking_uri": redact_uri(dist.tracking_uri),
+        "epoch": state.get("epoch"), "global_step": state.get("global_step"),
+        "history": state.get("history"),  # one row per epoch, data counters included
+        "selected": selected_epoch(state.get("history") or []),
+        "transition": None if out["phi"] is None else out["phi"].tolist(),
+        "true_transition": None if view.transition is None else view.transition.tolist(),
+    }
+    if out["phi"] is not None:
+        print("learned transition phi[k, j] = P(observed=j | latent=k):")
+        print(format_transition(out["phi"].numpy(), rows="latent"))
+        if view.transition is not None:
+            print("true transition:")
+            print(format_transition(view.transition))
+    print(f"[{job}] done in {seconds:.0f} s: " + summary_line(metrics), flush=True)
+    sel = summary["selected"]
+    if sel is not None and sel["by"] == "val_top1":
+        test = sel["test_top1"]
+        test = f"{test:.4f}" if isinstance(test, float) else "not measured"
+        print(f"[{job}] selected epoch {sel['epoch'] + 1} (best noisy-validation accuracy "
+              f"{sel['val_top1']:.4f}): clean test accuracy {test}", flush=True)
+    summary["metrics"] = measured(metrics)
+    summary["label_issues"] = label_issue_report(state, view=view, dist=dist,
+                                                 run_id=summary["mlflow_run_id"])
+    results = storage.join(dist.run_dir, "results")
+    summary["files"] = {}
+    with storage.staged(results, endpoint_url=dist.s3_endpoint_url) as out_dir:
+        for name, text in (out.get("files") or {}).items():  # LCCN*: outliers.csv
+            (out_dir / f"{dist.run_name}-{name}").write_text(text)
+            path = storage.join(results, f"{dist.run_name}-{name}")
+            summary["files"][name] = str(path)
+            print(f"[{job}] {name}: {path}" + (f" ({_flagged(text)})"
+                                               if name.startswith("outliers") else ""),
+                  flush=True)
+        exported = dist.export_path
+        if dist.export_model and storage.is_file(exported, endpoint_url=dist.s3_endpoint_url):
+            summary["files"]["model"] = str(exported)
+            print(f"[{job}] model: {exported} (torch.export; `lccn-predict {exported} IMAGES "
+                  f"--out predictions.csv`" + (", once downloaded" if storage.is_remote(exported)
+                                               else "") + ")", flush=True)
+        (out_dir / f"{dist.run_name}.json").write_text(
+            json.dumps(json_safe(summary), indent=1, default=str, allow_nan=False))
+    return summary
+
+
+def label_issue_report(state: dict[str, Any], *, view: LabelView, dist: DistConfig,
+                       run_id: str | None) -> dict[str, Any] | None:
+    """The run's label-issue report (an LCCN method's run with ``--report-epochs`` > 0):
+    files under ``<run-dir>/label_issues/<run>/``, the same as MLflow artifacts
+    ``label_issues/`` of the run; None for other methods."""
+    out = storage.join(dist.run_dir, "label_issues", dist.run_name)
+    with storage.staged(out, endpoint_url=dist.s3_endpoint_url) as local:
+        rep = job_report(state, clean=view.clean, train_source=dist.train_source,
+                         class_names=dist.class_names, out_dir=local,
+                         tracking_uri=dist.tracking_uri, run_id=run_id)
+    if rep is not None and local != out:
+        rep["files"] = [str(storage.join(out, Path(f).name)) for f in rep["files"]]
+    if rep is not None:
+        flagged = rep["flagged_mislabelled"]
+        lines = [f"label-issue report: {flagged} suspected mislabelled samples"
+                 + ("" if rep["flagged_outliers"] is None else
+                    f", {rep['flagged_outliers']} suspected out of distribution")
+                 + f" in {out}"]
+        for ev in rep["evaluation"]:
+            lines.append(f"  {ev['split']} {ev['kind']} ({ev['issues']} of the "
+                         f"{ev['evaluated']} with a clean label): {ev['method']} precision "
+                         f"at {ev['issues']} {ev['r_precision']:.3f}, flagged {ev['flagged']} "
+                         f"of those {ev['evaluated']}")
+        print("\n".join(lines), flush=True)
+    return rep
+
+
+def _flagged(outliers_csv: str) -> str:
+    """``"F of N samples flagged"`` for an ``outliers.csv`` text."""
+    rows = list(csv.DictReader(io.StringIO(outliers_csv)))
+    flagged = sum(r["flag"] == "1" for r in rows)
+    return f"{flagged} of {len(rows)} training samples flagged as outliers"
+
+
+def selected_epoch(history: list[dict[str, float]]) -> dict[str, Any] | None:
+    """The epoch a practitioner keeps: the highest noisy-validation accuracy ``val_top1``
+    (:func:`pipeline.train.engine.select_epoch`; the last epoch without a validation split), with
+    its clean test accuracy. ``epoch`` is the history row's 0-based index (as every
+    ``epoch`` in the results JSON and the MLflow steps); ``epoch_number`` counts from 1, as
+    the printed lines do."""
+    if not history:
+        return None
+    i = select_epoch(history)
+    row = history[i]
+    e = int(row.get("epoch", i))
+    return {"epoch": e, "epoch_number": e + 1, "val_top1": row.get("val_top1"),
+            "test_top1": row.get("test_top1"),
+            "by": "val_top1" if any(math.isfinite(r.get("val_top1", math.nan)) for r in history)
+            else "last"}
+
+
+SUMMARY_KEYS = ("test_top1", "val_top1", "label_recovery", "transition_error", "staleness",
+                "staleness_max", "sync_time", "sampler_share", "steps_per_s", "images_per_s")
+
+
+def measured(metrics: dict[str, Any]) -> dict[str, Any]:
+    """``metrics`` without the values that could not be measured (NaN or infinite: e.g. the
+    transition error of a run on the dataset's own labels, which has no true transition)."""
+    return {k: v for k, v in metrics.items()
+            if not (isinstance(v, float) and not math.isfinite(v))}
+
+
+def summary_line(metrics: dict[str, Any], keys: tuple[str, ...] = SUMMARY_KEYS) -> str:
+    """``key value`` pairs of the measured ``keys`` (what cannot be measured is left out)."""
+    m = measured(metrics)
+    return "  ".join(f"{key} {m[key]:.4g}" for key in keys if isinstance(m.get(key), float))
+
