@@ -64,6 +64,7 @@ from pipeline.core.noise import (
     instance_dependent,
     symmetric,
 )
+from pipeline.core.monitor import warmup_end_epoch
 from pipeline.core.options import UNSET, add_options, apply_options, apply_point
 from pipeline.core.posterior import STATE_KEY
 from pipeline.data.cifar_memory import (
@@ -349,6 +350,13 @@ def fit_pair(args: argparse.Namespace, cfg_ce: RunConfig, cfg_lccn: RunConfig,
     ``--restart`` (the paper's code): LCCN starts from CE's final weights and runs the whole
     schedule again, with fresh momentum (``2 x epochs`` in all)."""
     e_total, p = args.epochs, args.pretrain_epochs
+    auto = p == "auto"  # CE until the noisy validation accuracy stops rising (the jobs' rule)
+    if auto:
+        if args.restart or args.pretrain_from is not None:
+            raise ValueError("--pretrain-epochs auto decides during CE's run: not with "
+                             "--restart or --pretrain-from")
+        # the cap: half the run, before the first milestone (shifted for LCCN)
+        p = min([e_total // 2] + [m - 1 for m in args.milestones])
     if args.restart:  # CE's whole run is LCCN's pre-training
         p = e_total
     elif any(m <= p for m in args.milestones) and not args.lr_values:
@@ -380,10 +388,17 @@ def fit_pair(args: argparse.Namespace, cfg_ce: RunConfig, cfg_lccn: RunConfig,
         t0 = time.perf_counter()
         rows: list[dict] = []
 
+        n_val = int(ce.held_out.sum())
+        decided = {"p": None if auto else p}
+
         def on_epoch(e: int, r: dict) -> None:
             show_ce(e, r)
             rows.append(dict(r))
-            if e == p - 1:
+            if decided["p"] is None and warmup_end_epoch(rows, n_val=n_val, cap=p) == e + 1:
+                decided["p"] = e + 1
+                print(f"--pretrain-epochs auto: CE warm-up of {e + 1} epochs (cap {p})",
+                      flush=True)
+            if decided["p"] is not None and e == decided["p"] - 1:
                 snap["model"] = copy.deepcopy(ce.model.state_dict())
                 snap["optim"] = copy.deepcopy(ce.optimizer.state_dict())
                 snap["gen"] = ce.gen.get_state()
@@ -396,6 +411,7 @@ def fit_pair(args: argparse.Namespace, cfg_ce: RunConfig, cfg_lccn: RunConfig,
                                                            key=_run_key(args)))
 
         hist_ce = ce.fit(on_epoch=on_epoch)
+        p = decided["p"]
         if args.save_model is not None:
             args.save_model.parent.mkdir(parents=True, exist_ok=True)
             torch.save(ce.model.state_dict(), args.save_model)
@@ -409,7 +425,7 @@ def fit_pair(args: argparse.Namespace, cfg_ce: RunConfig, cfg_lccn: RunConfig,
                       optim=replace(cfg_lccn.optim, pretrain_epochs=0))
     else:
         cfg = replace(cfg_lccn, optim=replace(cfg_lccn.optim, epochs=e_total - p,
-                                              pretrain_epochs=0,
+                                              pretrain_epochs=0, pretrain_auto=False,
                                               milestones=tuple(m - p for m in args.milestones)))
     t1 = time.perf_counter()
     lc = LocalTrainer(cfg, train, test, device=args.device, normalize=normalize)
@@ -463,7 +479,8 @@ def fit_pair(args: argparse.Namespace, cfg_ce: RunConfig, cfg_lccn: RunConfig,
                    "config": asdict(cfg_lccn), "diagnostics": diags,
                    "phi_init": lc.phi_init.tolist(), "phi": lc.transition().tolist(),
                    "pretrained_confusion": conf.view(10, 10).tolist(),
-                   "collapse_epochs": [int(r["epoch"]) for r in hist if r.get("collapse")]}
+                   "collapse_epochs": [int(r["epoch"]) for r in hist if r.get("collapse")],
+                   "pretrain_epochs": p}
     print("warm-up phi_init:\n" + format_transition(lc.phi_init.numpy(), rows="latent"))
     print("learned phi[k, j] = P(observed=j | latent=k):\n"
           + format_transition(lc.transition().numpy(), rows="latent"))
@@ -642,7 +659,8 @@ def time_epoch(args: argparse.Namespace, data: Cifar) -> None:
                            normalize=data.normalize)
     hist = trainer.fit()
     per = hist[0]["epoch_time"]
-    cost = (2 * args.epochs - args.pretrain_epochs) * per
+    shared = args.epochs // 2 if args.pretrain_epochs == "auto" else args.pretrain_epochs
+    cost = (2 * args.epochs - shared) * per
     print(f"one CE epoch incl. validation and test: {per:.1f}s ({1e3 * hist[0]['step_time']:.0f}"
           f" ms/step); a run of {args.epochs} epochs ({args.pretrain_epochs} shared) costs "
           f"about {cost / 60:.1f} min per setting and seed; load average {os.getloadavg()}")

@@ -88,7 +88,7 @@ def job_config(args: argparse.Namespace, dataset: str) -> JobConfig:
         extra["optim.lr"] = rec.get("optim.lr") * factor
         lr_values = [v * factor for v in lr_values]
     epochs, pre = chosen("epochs"), chosen("pretrain_epochs")
-    if not args.smoke_test and not 0 <= pre <= epochs:
+    if not args.smoke_test and pre != "auto" and not 0 <= pre <= epochs:
         whose = {k: "" if k in given else f" (the {rec.name} recipe's)"
                  for k in ("epochs", "pretrain_epochs")}
         raise SystemExit(f"error: --epochs {epochs}{whose['epochs']} is fewer than "

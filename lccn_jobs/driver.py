@@ -172,6 +172,15 @@ def _init_from(args: argparse.Namespace, run: RunConfig, own_checkpoints: Path |
     return path
 
 
+def warmup_words(optim) -> str:
+    """The CE warm-up as the job's header line says it: ``3 CE`` or ``CE until the noisy
+    validation accuracy stops rising, at most 15``."""
+    if optim.pretrain_auto:
+        return (f"CE until the noisy validation accuracy stops rising, at most "
+                f"{optim.pretrain_epochs}")
+    return f"{optim.pretrain_epochs} CE"
+
+
 def connect_ray() -> bool:
     """Connect to the cluster at ``RAY_ADDRESS`` (set by ``ray job submit``) or, without
     it, start a local Ray instance bound to 127.0.0.1 (``address="local"``: never attach to
@@ -221,11 +230,15 @@ def run_job(args: argparse.Namespace, *, job: str, run: RunConfig, dist: DistCon
     if run.lccn.use_trusted and not view.trusted.any():
         raise SystemExit("error: LCCN+ (a trusted-set option) was asked for, but the label view "
                          "has no trusted samples")
+    try:
+        get_method(run.method).check_run(run)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     for line in [*(log or []), *filter(None, [small_batch_warning(run, dist)])]:
         print(line, flush=True)
     print(f"[{job}] run {dist.run_name!r} in {dist.run_dir}: {dist.num_workers} workers "
           f"({'GPU' if dist.use_gpu else 'CPU'}), method {run.method}, model {run.model.name}, "
-          f"{run.optim.epochs} epochs ({run.optim.pretrain_epochs} CE), global batch "
+          f"{run.optim.epochs} epochs ({warmup_words(run.optim)}), global batch "
           f"{run.optim.batch_size}, N = {len(view)}, K = {view.num_classes}; MLflow "
           f"{redact_uri(dist.tracking_uri) or 'off'}", flush=True)
     keys = None

@@ -20,7 +20,8 @@ from pipeline.core.labels import LabelView
 from pipeline.core.noise import format_transition
 from pipeline.track.label_issues import job_report
 from pipeline.track.uris import redact_uri
-from pipeline.train.engine import select_epoch
+from pipeline.train.export import EXPORT_META
+from pipeline.train.engine import final_export_path, select_epoch
 
 
 def summarise(out: dict[str, Any], *, job: str, dist: DistConfig, view: LabelView,
@@ -68,11 +69,17 @@ def summarise(out: dict[str, Any], *, job: str, dist: DistConfig, view: LabelVie
                                                if name.startswith("outliers") else ""),
                   flush=True)
         exported = dist.export_path
-        if dist.export_model and storage.is_file(exported, endpoint_url=dist.s3_endpoint_url):
-            summary["files"]["model"] = str(exported)
-            print(f"[{job}] model: {exported} (torch.export; `lccn-predict {exported} IMAGES "
-                  f"--out predictions.csv`" + (", once downloaded" if storage.is_remote(exported)
-                                               else "") + ")", flush=True)
+        ends = (("model", exported), ("model_final", _final_path(exported))) \
+            if dist.export_model and exported else ()
+        for key, path in ends:  # the selected epoch's classifier, then the final one's
+            if not storage.is_file(path, endpoint_url=dist.s3_endpoint_url):
+                continue
+            summary["files"][key] = str(path)
+            said = _exported_weights(path, dist.s3_endpoint_url)
+            print(f"[{job}] {'model' if key == 'model' else 'final model'}: {path} "
+                  f"({said}; torch.export; `lccn-predict {path} IMAGES --out "
+                  f"predictions.csv`" + (", once downloaded" if storage.is_remote(path)
+                                         else "") + ")", flush=True)
         (out_dir / f"{dist.run_name}.json").write_text(
             json.dumps(json_safe(summary), indent=1, default=str, allow_nan=False))
     return summary
@@ -103,6 +110,26 @@ def label_issue_report(state: dict[str, Any], *, view: LabelView, dist: DistConf
                          f"of those {ev['evaluated']}")
         print("\n".join(lines), flush=True)
     return rep
+
+
+def _final_path(selected: str) -> str:
+    """The final epoch's export beside the selected one's (local or an object-store URI):
+    ``.../<run>.pt2`` -> ``.../<run>-final.pt2``."""
+    name = storage.name(selected)
+    return selected[:len(selected) - len(name)] + final_export_path(name).name
+
+
+def _exported_weights(path: Any, endpoint_url: str | None) -> str:
+    """Which weights an exported program holds, from its sidecar (``<name>.json``'s
+    ``weights``: "selected epoch 14 of 40 (best noisy validation accuracy 0.6120)" or
+    "final epoch 40"); "weights not recorded" for a sidecar without it."""
+    text = str(path)
+    meta = text[:-len(Path(text).suffix)] + EXPORT_META if Path(text).suffix else text + EXPORT_META
+    try:
+        said = json.loads(storage.read_text(meta, endpoint_url=endpoint_url)).get("weights")
+    except (OSError, ValueError):
+        said = None
+    return said or "weights not recorded"
 
 
 def _flagged(outliers_csv: str) -> str:

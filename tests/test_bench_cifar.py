@@ -329,3 +329,20 @@ def test_methods_report_tabulates_the_regime_of_each_run(tmp_path):
     text = methods["report"](tmp_path)
     assert "| sym0.5 | 0 | ce | 52.00 (13) | 19.00 | 0.340 / 1.660 | yes |" in text
     assert "| sym0.5 | 0 | forward |" not in text and "| forward | 33.00 / 50.00 |" in text
+
+
+def test_an_automatic_warm_up_hands_lccn_the_epoch_the_rule_picks(bench, shared_data,
+                                                                 tmp_path, one_thread):
+    from pipeline.core.monitor import warmup_end_epoch
+
+    argv = _argv(shared_data, tmp_path / "a", tmp_path / "cache")
+    at = argv.index("--epochs")
+    argv[at + 1], argv[argv.index("--pretrain-epochs") + 1] = "6", "auto"
+    argv[argv.index("--milestones") + 1] = "5"
+    r = bench["main"](argv)[0]
+    ce, lccn = r["methods"]["ce"]["history"], r["methods"]["lccn"]
+    p = lccn["pretrain_epochs"]  # the cap: min(half the run, the first milestone - 1) = 3
+    n_val = round(200 * 0.05)
+    assert p == warmup_end_epoch(ce[:p], n_val=n_val, cap=3)
+    assert [row["phase"] for row in lccn["history"]] == [0.0] * p + [1.0] * (6 - p)
+    assert lccn["history"][:p] == ce[:p]  # the shared CE epochs

@@ -488,3 +488,110 @@ def test_the_papers_recipe_collapses_on_the_same_case(weak_start_runs):
     # (measured: 0.475 against CE's 0.764, seed 2 at 0.29)
     assert np.mean(weak_start_runs["paper"]) < np.mean(weak_start_runs["ce"]) - 0.10, \
         weak_start_runs
+
+
+# -- the automatic warm-up (--pretrain-epochs auto) -------------------------------------------
+
+
+def test_warmup_ends_once_noisy_validation_stops_rising_by_a_standard_error():
+    from pipeline.core.monitor import warmup_end_epoch, warmup_rise
+
+    def rows(vals):
+        return [{"epoch": float(i), "val_top1": v} for i, v in enumerate(vals)]
+
+    # n = 2,500 held-out images at a ~0.6: one standard error is ~1 point
+    rising = rows([0.30, 0.40, 0.48, 0.55, 0.60])
+    assert warmup_end_epoch(rising, n_val=2500, cap=10) is None  # still climbing
+    flat = rows([0.30, 0.40, 0.48, 0.55, 0.60, 0.605, 0.600])
+    rise, se = warmup_rise(flat, 2500)
+    assert rise == pytest.approx(0.005) and se == pytest.approx(math.sqrt(0.605 * 0.395 / 2500))
+    assert warmup_end_epoch(flat, n_val=2500, cap=10) == 7
+    # a dip and a recovery two epochs later is no plateau: the best of the last two counts
+    assert warmup_end_epoch(rows([0.3, 0.4, 0.35, 0.5]), n_val=2500, cap=10) is None
+    # the same plateau on 60 held-out images (se ~6 points) ends the warm-up sooner
+    assert warmup_end_epoch(rows([0.30, 0.40, 0.42, 0.43]), n_val=60, cap=10) == 4
+    assert warmup_end_epoch(rows([0.30, 0.40, 0.42, 0.43]), n_val=2500, cap=10) is None
+    # the cap, and the decision is read only from rows before it
+    assert warmup_end_epoch(rows([0.1, 0.2, 0.3, 0.4]), n_val=2500, cap=4) == 4
+    assert warmup_end_epoch(rows([0.1, 0.2, 0.3]), n_val=2500, cap=4) is None
+    # without a validation split: the cap
+    nan = rows([math.nan] * 3)
+    assert warmup_end_epoch(nan, n_val=0, cap=3) == 3
+    assert warmup_end_epoch(nan[:2], n_val=0, cap=3) is None
+    # a prefix's decision never changes as rows are added (a resumed run decides alike)
+    for e in range(3, len(flat) + 1):
+        got = warmup_end_epoch(flat[:e], n_val=2500, cap=10)
+        assert got is None or got == 7
+
+
+def test_pretrain_epochs_auto_parses_and_methods_with_a_fixed_schedule_refuse_it():
+    import argparse
+
+    from pipeline.core.config import OptimConfig, RunConfig
+    from pipeline.core.options import add_options, apply_options
+    from pipeline.train.methods import get_method
+
+    p = argparse.ArgumentParser()
+    add_options(p, ["--epochs", "--pretrain-epochs"])
+    run = apply_options(RunConfig(), p.parse_args(["--epochs", "30", "--pretrain-epochs",
+                                                   "auto"]))
+    assert run.optim.pretrain_auto and run.optim.pretrain_epochs == 15  # the cap: half
+    fixed = apply_options(RunConfig(), p.parse_args(["--pretrain-epochs", "4"]))
+    assert not fixed.optim.pretrain_auto and fixed.optim.pretrain_epochs == 4
+    with pytest.raises(SystemExit):
+        p.parse_args(["--pretrain-epochs", "soon"])
+    auto = OptimConfig(epochs=20, pretrain_epochs="auto")
+    for name in ("lccn", "ce"):
+        get_method(name).check_run(RunConfig(method=name, optim=auto))
+    for name in ("dividemix", "divide_lccn", "trevision", "forward"):
+        with pytest.raises(ValueError, match=f"{name}'s schedule is laid out from a fixed"):
+            get_method(name).check_run(RunConfig(method=name, optim=auto))
+
+
+def test_an_automatic_warm_up_starts_lccn_where_the_rows_say(capsys):
+    from pipeline.core.config import ModelConfig, OptimConfig, RunConfig
+    from pipeline.core.monitor import warmup_end_epoch
+    from pipeline.train.trainer import LocalTrainer
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train, test = _digits_sym(0)
+        cfg = RunConfig(method="lccn", seed=0, model=ModelConfig("small_cnn", 1),
+                        optim=OptimConfig(epochs=8, pretrain_epochs="auto", batch_size=32,
+                                          lr=0.1, milestones=(6,)))
+        trainer = LocalTrainer(cfg, train, test)
+        rows = trainer.fit()
+    finally:
+        torch.set_num_threads(old)
+    start = next(i for i, r in enumerate(rows) if r["phase"] == 1.0)
+    assert all(r["phase"] == 1.0 for r in rows[start:])
+    n_val = int(trainer.held_out.sum())
+    # the epoch the rule picks from the CE rows alone (the cap: half of 8 epochs)
+    assert start == warmup_end_epoch(rows[:start], n_val=n_val, cap=4) <= 4
+    assert warmup_end_epoch(rows[:start - 1], n_val=n_val, cap=4) is None
+    out = capsys.readouterr().out
+    assert f"[lccn] cross-entropy warm-up: {start} epochs (--pretrain-epochs auto" in out
+
+
+def test_a_fixed_warm_up_that_ends_on_a_still_rising_classifier_is_warned_of(capsys):
+    from pipeline.core.config import ModelConfig, OptimConfig, RunConfig
+    from pipeline.core.monitor import warmup_rise
+    from pipeline.train.trainer import LocalTrainer
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train, test = _digits_sym(0)
+        cfg = RunConfig(method="lccn", seed=0, model=ModelConfig("small_cnn", 1),
+                        optim=OptimConfig(epochs=4, pretrain_epochs=3, batch_size=32, lr=0.1))
+        trainer = LocalTrainer(cfg, train, test)
+        rows = trainer.fit()
+    finally:
+        torch.set_num_threads(old)
+    rise, se = warmup_rise(rows[:3], int(trainer.held_out.sum()))
+    out = capsys.readouterr().out
+    assert rise > 2 * se  # measured: +22.5 points, se 6.3 (62 held-out digits)
+    assert "[lccn] warning: the cross-entropy warm-up ends after 3 epochs on a classifier " \
+           f"still learning (best noisy validation accuracy {max(r['val_top1'] for r in rows[:3]):.3f}" in out
+    assert f"{rise * 100:+.1f} points above the best before them" in out

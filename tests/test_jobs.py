@@ -727,6 +727,11 @@ def test_ray_job_submit_train_on_an_image_folder(ray_head, cifar10_jpeg_tree, tm
     assert result["files"]["model"] == str(exported) and exported.is_file()
     assert json.loads(exported.with_suffix(".json").read_text())["class_names"] == \
         ["airplane", "cat", "dog"]
+    # the job's last lines say which weights each export holds
+    final = run_dir / "models" / "own-final.pt2"
+    assert result["files"]["model_final"] == str(final) and final.is_file()
+    assert f"[train] model: {exported} (selected epoch " in out, out[-3000:]
+    assert f"[train] final model: {final} (final epoch 3; torch.export" in out, out[-3000:]
     again = tmp_path / "pred2.csv"
     assert predict.main([str(exported), str(test), "--out", str(again)]) == 0
     for a, b in zip(rows[1:], again.read_text().splitlines()[1:]):

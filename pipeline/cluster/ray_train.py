@@ -242,7 +242,9 @@ def progress_line(row: dict[str, float], *, run_name: str, epochs: int,
     import math
 
     e = int(row.get("epoch", -1)) + 1
-    phase = "ce" if e <= pretrain_epochs else method
+    # the row's own phase (an automatic warm-up ends where the rows decide)
+    noise = row["phase"] > 0 if "phase" in row else e > pretrain_epochs
+    phase = method if noise else "ce"
     vals = "  ".join(f"{k} {row[k]:.3f}" for k in PROGRESS_KEYS
                      if isinstance(row.get(k), float) and math.isfinite(row[k]))
     took = f"  {row['epoch_time']:.1f} s" if "epoch_time" in row else ""

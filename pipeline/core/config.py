@@ -369,6 +369,18 @@ class BaselineConfig:
                              f"{self.revision_lr}, {self.revision_weight_decay}")
 
 
+def pretrain_count(text: str) -> int | str:
+    """``--pretrain-epochs``' value: a count of epochs, or ``"auto"``
+    (:attr:`OptimConfig.pretrain_auto`)."""
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"pretrain epochs: expected a whole number or 'auto', got "
+                         f"{text!r}") from None
+
+
 @dataclass(frozen=True)
 class OptimConfig:
     """SGD with a step schedule. Epoch counts are total epochs of the run; the first
@@ -377,7 +389,17 @@ class OptimConfig:
 
     epochs: total epochs of the run, the cross-entropy pre-training included.
     pretrain_epochs: cross-entropy epochs on the observed labels before the method's noise
-        phase starts.
+        phase starts; ``"auto"`` (LCCN): until the noisy validation accuracy stops rising,
+        at most half the run (``pretrain_auto``).
+    pretrain_auto: ``pretrain_epochs`` is a cap, not a count: the pre-training ends at the
+        first epoch from the third on before which the best noisy validation accuracy of
+        the last two epochs rose above the best of those before by less than one standard
+        error of that accuracy (sqrt(a(1 - a) / n) over the n held-out images), at the latest
+        after ``pretrain_epochs`` (:func:`~pipeline.core.monitor.warmup_end_epoch`; read
+        from the epoch rows, so every rank and a resumed run decide alike). Setting
+        ``pretrain_epochs="auto"`` turns it on with the cap at half of ``epochs``. Methods
+        whose schedule is laid out from a fixed count (DivideMix, T-Revision, the
+        baselines) refuse it.
     batch_size: the global batch (each of W workers takes ``batch_size / W``).
     lr: the learning rate (of the first phase of a piecewise schedule).
     momentum: SGD's momentum.
@@ -412,7 +434,7 @@ class OptimConfig:
     """
 
     epochs: int = 30
-    pretrain_epochs: int = 10
+    pretrain_epochs: int = field(default=10, metadata={"parse": pretrain_count})
     batch_size: int = 128
     lr: float = 0.1
     momentum: float = 0.9
@@ -421,8 +443,12 @@ class OptimConfig:
     lr_decay: float = 0.1
     ema_decay: float = 0.0
     norm_weight_decay: float | None = None
+    pretrain_auto: bool = False
 
     def __post_init__(self) -> None:
+        if self.pretrain_epochs == "auto":  # the cap: half the run
+            object.__setattr__(self, "pretrain_auto", True)
+            object.__setattr__(self, "pretrain_epochs", max(1, int(self.epochs) // 2))
         if not 0.0 <= self.ema_decay < 1.0:
             raise ValueError(f"OptimConfig.ema_decay must be in [0, 1), got {self.ema_decay}")
         if self.norm_weight_decay is not None and not self.norm_weight_decay >= 0:

@@ -161,6 +161,38 @@ def overfit_epoch(history: Sequence[Mapping[str, float]], *, first_epoch: int,
     return None
 
 
+def warmup_rise(history: Sequence[Mapping[str, float]], n_val: int, *,
+                window: int = 2) -> tuple[float, float]:
+    """``(rise, se)`` of the epoch rows so far: how far the best noisy validation accuracy
+    (``val_top1``) of the last ``window`` rows lies above the best of the rows before them,
+    and one standard error of that accuracy, sqrt(a(1 - a) / n_val) at the best accuracy
+    a. NaN for both with fewer than ``window + 1`` rows or without a validation split."""
+    vals = [float(r.get("val_top1", math.nan)) for r in history]
+    if len(vals) <= window or n_val <= 0 or any(math.isnan(v) for v in vals):
+        return math.nan, math.nan
+    best = max(vals)
+    return (max(vals[-window:]) - max(vals[:-window]),
+            math.sqrt(max(best * (1 - best), 1e-12) / n_val))
+
+
+def warmup_end_epoch(history: Sequence[Mapping[str, float]], *, n_val: int, cap: int,
+                     window: int = 2) -> int | None:
+    """The epoch at which an automatic cross-entropy warm-up
+    (:attr:`~pipeline.core.config.OptimConfig.pretrain_auto`) ends: the first ``e`` from
+    ``window + 1`` on before which the noisy validation accuracy stopped rising (the best of
+    rows ``e - window .. e - 1`` above the best of rows ``0 .. e - window - 1`` by less than
+    one standard error, :func:`warmup_rise`), at the latest ``cap``; None while neither has
+    happened in ``history`` (the rows of epochs 0, 1, ... in order). Without a validation
+    split it is ``cap``. A pure function of the rows: a resumed run and every rank find the
+    same epoch."""
+    rows = [r for r in history if int(r.get("epoch", -1)) < cap]
+    for e in range(window + 1, len(rows) + 1):
+        rise, se = warmup_rise(rows[:e], n_val, window=window)
+        if rise < se:  # False for NaN
+            return e
+    return cap if len(history) >= cap else None
+
+
 def label_entropy(shares: Tensor) -> float:
     """The entropy in nats of the class shares ``shares (K,)`` (counts or probabilities):
     the loss of a classifier that predicts those shares for every image."""

@@ -156,7 +156,7 @@ def option_spec(flag: str) -> dict[str, Any]:
     if scalar is bool:
         spec["action"] = argparse.BooleanOptionalAction
     else:
-        spec["type"] = scalar
+        spec["type"] = fld.metadata.get("parse", scalar)
         if many:
             spec["nargs"] = "*"
             spec["default"] = list(default)

@@ -178,10 +178,24 @@ class Method:
     # it reads BaselineConfig.transition and its file (Forward, T-Revision: the jobs check
     # the file before Ray starts)
     reads_transition = False
+    # it ends its CE pre-training where the epoch rows say (OptimConfig.pretrain_auto);
+    # a method whose schedule is laid out from a fixed count refuses that
+    auto_warmup = False
 
     def __init__(self, run: RunConfig, engine: EngineView) -> None:
+        self.check_run(run)
         self.run, self.engine = run, engine
         self.num_classes = engine.num_classes
+
+    @classmethod
+    def check_run(cls, run: RunConfig) -> None:
+        """ValueError for a RunConfig the method cannot run as asked (the driver calls it
+        before Ray starts, every method again when it is built)."""
+        if run.optim.pretrain_auto and not cls.auto_warmup:
+            raise ValueError(
+                f"method {cls.name}: --pretrain-epochs auto (OptimConfig.pretrain_auto) is "
+                f"for lccn and ce; {cls.name}'s schedule is laid out from a fixed count of "
+                f"cross-entropy epochs: give one")
 
     @classmethod
     def latent_classes(cls, run: RunConfig, num_classes: int) -> int:

@@ -9,3 +9,4 @@ from pipeline.train.methods.base import Method, register
 @register
 class CrossEntropy(Method):
     name = "ce"
+    auto_warmup = True  # no noise phase: the same run either way

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -26,6 +27,8 @@ from pipeline.core.monitor import (
     label_entropy,
     noise_floor,
     overfit_epoch,
+    warmup_end_epoch,
+    warmup_rise,
 )
 from pipeline.core.posterior import STATE_KEY, PosteriorWindow
 from pipeline.core.warmup import estimate_phi_init, initial_latents
@@ -153,6 +156,7 @@ class LCCN(Method):
 
     name = "lccn"
     needs_chain = True
+    auto_warmup = True
 
     def __init__(self, run, engine) -> None:
         super().__init__(run, engine)
@@ -190,6 +194,7 @@ class LCCN(Method):
         # H(observed): the observed labels' entropy (every rank's rows), guard_rise's scale
         self.label_entropy: float | None = None
         self.lccn_step = 0
+        self._noise_start: int | None = None  # pretrain_auto: decided from the epoch rows
         self.labeler: GibbsLabeler | None = None
         self.pretrained_probs: Tensor | None = None
         # LCCN*: p(outlier), the outlier column of the posterior averaged over the last
@@ -213,7 +218,22 @@ class LCCN(Method):
         return run.lccn.outlier  # outliers.csv
 
     def in_noise_phase(self, epoch: int) -> bool:
-        return epoch >= self.run.optim.pretrain_epochs
+        start = self.noise_start()
+        return start is not None and epoch >= start
+
+    def noise_start(self) -> int | None:
+        """The noise phase's first epoch: ``pretrain_epochs``, or with ``pretrain_auto``
+        the epoch the rows so far decide (:func:`~pipeline.core.monitor.warmup_end_epoch`;
+        None while the warm-up goes on)."""
+        o = self.run.optim
+        if not o.pretrain_auto:
+            return o.pretrain_epochs
+        if self._noise_start is None:
+            held = getattr(self.engine.data, "held_out", None)
+            self._noise_start = warmup_end_epoch(
+                self.engine.history, n_val=0 if held is None else int(held.sum()),
+                cap=o.pretrain_epochs)
+        return self._noise_start
 
     def noise_phase_started(self) -> bool:
         return self.phi_init is not None
@@ -253,7 +273,7 @@ class LCCN(Method):
         lc = self.cfg
         if not self._guarded() or self.guarded_at is not None:
             return
-        first, hist = self.run.optim.pretrain_epochs, self.engine.history
+        first, hist = self.noise_start(), self.engine.history
         val = (memorisation_epoch(hist, first_epoch=first, drop=lc.guard_drop,
                                   patience=lc.guard_patience) if lc.guard_drop > 0 else None)
         floor = floor_epoch(hist, first_epoch=first) if lc.guard_floor else None
@@ -327,7 +347,7 @@ class LCCN(Method):
         epoch = int(row.get("epoch", -1))
         # LCCN*: a network from before the noise phase never trained its outlier output,
         # so it could not read an outlier posterior; the candidates start one epoch later
-        first = self.run.optim.pretrain_epochs - (0 if self.cfg.outlier else 1)
+        first = self.noise_start() - (0 if self.cfg.outlier else 1)
         if epoch <= self._best["seen"] or epoch < first:
             return
         self._best["seen"] = epoch
@@ -366,7 +386,7 @@ class LCCN(Method):
             o = self.run.optim
             self.labeler = self.engine.chain.labeler(
                 self.cfg, phi_init=self.phi_init,
-                max_steps=(o.epochs - o.pretrain_epochs) * steps_per_epoch,
+                max_steps=(o.epochs - self.noise_start()) * steps_per_epoch,
                 trusted=self.trusted, clean=self.engine.data.clean,
                 steps_per_epoch=steps_per_epoch)
             self.labeler.step_count = self.lccn_step
@@ -404,12 +424,37 @@ class LCCN(Method):
                       "network being trained and the memorisation guard cannot fire",
                       flush=True)
             return
+        start = self.noise_start()
+        self._warmup_note(start)
         if (lc.guard_rise > 0 or lc.guard_drop > 0) and not any(
-                m > o.pretrain_epochs for m in o.milestones) and not self.engine.options.lr_values:
+                m > start for m in o.milestones) and not self.engine.options.lr_values:
             print(f"[lccn] the learning rate never falls after the noise phase's start "
-                  f"(epoch {o.pretrain_epochs + 1}; milestones {list(o.milestones)}): the "
+                  f"(epoch {start + 1}; milestones {list(o.milestones)}): the "
                   f"memorisation guard watches only epochs at a lower rate, so it will not "
                   f"fire in this run", flush=True)
+
+    def _warmup_note(self, start: int) -> None:
+        """Rank 0, at the noise phase's start: where an automatic warm-up ended and why, or
+        a warning with the numbers when a fixed one ends on a classifier whose noisy
+        validation accuracy still rises by more than two standard errors."""
+        o, hist = self.run.optim, self.engine.history
+        n_val = int(self.engine.data.held_out.sum())
+        rise, se = warmup_rise([r for r in hist if int(r.get("epoch", -1)) < start], n_val)
+        val = max((float(r.get("val_top1", math.nan)) for r in hist
+                   if int(r.get("epoch", -1)) < start), default=math.nan)
+        nums = (f"best noisy validation accuracy {val:.3f}, the last two epochs "
+                f"{rise * 100:+.1f} points above the best before them, one standard error "
+                f"{se * 100:.1f} points over {n_val} held-out images")
+        if o.pretrain_auto:
+            how = ("stopped rising" if start < o.pretrain_epochs else
+                   f"reached its cap of {o.pretrain_epochs} epochs")
+            print(f"[lccn] cross-entropy warm-up: {start} epochs (--pretrain-epochs auto: "
+                  f"{how}; {nums})", flush=True)
+        elif rise > 2 * se:
+            print(f"[lccn] warning: the cross-entropy warm-up ends after {start} epochs on a "
+                  f"classifier still learning ({nums}): the noise phase starts its "
+                  f"transition and latent labels from it; --pretrain-epochs auto warms up "
+                  f"until the accuracy stops rising", flush=True)
 
     def _active(self, epoch: int) -> GibbsLabeler | None:
         return self.labeler if self.in_noise_phase(epoch) else None
