@@ -8,7 +8,9 @@ run builds it (:func:`pipeline.track.label_issues.build_report`) and scored:
 
 - the accuracy of the observed labels and of the cleaned ones (``suggested`` where
   ``relabel``), on the training rows, against the clean labels;
-- the report's estimate of both (noisy data only) and its 95% interval, beside the truth;
+- the report's estimate of both (noisy data only) and its 95% interval, and confident
+  learning's estimate of the observed labels' accuracy from the held-out predictions,
+  beside the truth;
 - precision and recall of the flags on the noisy validation split, beside cleanlab's
   ``find_label_issues`` given the same out-of-sample probabilities.
 
@@ -107,8 +109,9 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     rows = {}
     print("| run | truth: observed / cleaned | estimate: observed / cleaned (95%) | "
-          "relabelled | flags on validation P / R (LCCN) | cleanlab P / R |")
-    print("|---|---|---|---|---|---|")
+          "confident learning: observed | relabelled | flags on validation P / R (LCCN) | "
+          "cleanlab P / R |")
+    print("|---|---|---|---|---|---|---|")
     for f in args.states:
         state = torch.load(f, map_location="cpu", weights_only=False)
         got = score(state)
@@ -124,7 +127,8 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {name} | {100 * tr.get('accuracy_observed', math.nan):.2f} / "
                   f"{100 * tr.get('accuracy_cleaned', math.nan):.2f} | "
                   f"{100 * e['accuracy_observed']:.1f} / {100 * e['accuracy_cleaned']:.1f} "
-                  f"(± {ci:.1f}) | {tr.get('relabel', 0)} of {e['samples']} | "
+                  f"(± {ci:.1f}) | {100 * e.get('confident_joint_accuracy', math.nan):.1f} | "
+                  f"{tr.get('relabel', 0)} of {e['samples']} | "
                   f"{va.get('precision', math.nan):.3f} / {va.get('recall', math.nan):.3f} | "
                   f"{cl.get('precision', math.nan):.3f} / {cl.get('recall', math.nan):.3f} |")
     if args.json is not None:

@@ -372,3 +372,22 @@ def test_a_real_run_ranks_planted_flips_first_beside_cleanlab(tmp_path):
     client = MlflowClient(tracking_uri=summary["tracking_uri"])
     arts = {a.path for a in client.list_artifacts(summary["mlflow_run_id"], "label_issues")}
     assert "label_issues/mislabelled.csv" in arts and "label_issues/summary.md" in arts
+
+
+def test_confident_joint_accuracy_reads_a_sure_classifiers_disagreements_as_noise():
+    from pipeline.track.label_issues import confident_joint_accuracy
+
+    rng = np.random.default_rng(0)
+    truth = rng.integers(0, 4, 2000)
+    observed = np.where(rng.random(2000) < 0.2, rng.integers(0, 4, 2000), truth)
+    right = float((observed == truth).mean())
+    probs = np.full((2000, 4), 0.02)
+    probs[np.arange(2000), truth] = 0.94  # sure and right: every disagreement is noise
+    assert confident_joint_accuracy(probs, observed) == pytest.approx(right, abs=0.01)
+    # the same classifier wrong on a third of the images: its errors count as noise too
+    wrong = rng.random(2000) < 0.33
+    shifted = np.roll(probs, 1, axis=1)
+    worse = np.where(wrong[:, None], shifted, probs)
+    assert confident_joint_accuracy(worse, observed) < right - 0.2
+    # a class without a held-out label: no estimate
+    assert np.isnan(confident_joint_accuracy(probs[observed != 3], observed[observed != 3]))
