@@ -150,7 +150,12 @@ def add_common_args(p: argparse.ArgumentParser, *, job: str, dataset: str,
                         "(T-Revision, Xia et al.); each after the same CE pre-training "
                         "(docs/methods.md)")
     m.add_argument("--pretrained", action=argparse.BooleanOptionalAction, default=None,
-                   help="ImageNet weights for the backbone (resnet50 only)")
+                   help="ImageNet weights for the backbone (default: the recipe's; on for "
+                        "clothing1m and your own images): resnet50's from the torch hub "
+                        "cache, a timm or torchvision backbone's from --weights FILE "
+                        "(`python -m pipeline.train.models fetch timm:NAME --out DIR` writes "
+                        "DIR/timm-NAME.pth) or timm's local Hugging Face cache; checked "
+                        "before Ray starts")
     m.add_argument("--init-from", default=None, metavar="RUN_OR_CHECKPOINT",
                    help="start from the weights of another run: its run folder "
                         "(<run-dir>/train/<run-name>), a checkpoint folder or state.pt. With "

@@ -38,6 +38,7 @@ from pipeline.track.tracking import tracking_access_problem, tracking_uri_of
 from pipeline.track.uris import redact_uri
 from pipeline.train.checkpoints import checkpoint_dirs, init_state_file, resume_problem
 from pipeline.train.methods import get_method
+from pipeline.train.models import pretrained_weights_problem
 
 
 @dataclass
@@ -215,7 +216,9 @@ def run_job(args: argparse.Namespace, *, job: str, run: RunConfig, dist: DistCon
     trainer (a sweep trial's report to Tune)."""
     import ray
 
-    problem = resume_problem(run, dist) or tracking_access_problem(dist.tracking_uri)
+    problem = (resume_problem(run, dist) or tracking_access_problem(dist.tracking_uri)
+               or (dist.pretrained
+                   and pretrained_weights_problem(run.model.name, run.model.weights)))
     if problem:
         raise SystemExit(f"error: {problem}")
     if run.lccn.use_trusted and not view.trusted.any():
