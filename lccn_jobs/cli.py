@@ -128,7 +128,12 @@ def add_common_args(p: argparse.ArgumentParser, *, job: str, dataset: str,
     g.add_argument("--max-failures", type=int, default=1,
                    help="worker-group restarts from the last checkpoint before giving up")
     add_tracking_options(g, store="<run-dir>")
-    g.add_argument("--experiment", default=f"lccn-{job}", help="MLflow experiment")
+    g.add_argument("--experiment", default=f"lccn-{job}",
+                   help="MLflow experiment (created by the driver, its artifacts beside a "
+                        "local store: <run-dir>/mlartifacts)")
+    g.add_argument("--register-model", default=None, metavar="NAME",
+                   help="register the run's logged model (an MLflow LoggedModel, always "
+                        "logged) in the MLflow Model Registry as NAME, a new version each run")
     g.add_argument("--smoke-test", action="store_true",
                    help="2 CPU workers on tiny shards generated under the run dir, small CNN, "
                         "a few steps")
