@@ -558,8 +558,9 @@ def test_the_job_end_on_a_server_logged_model_dataset_registry_and_ui_pages(serv
         lm = mlflow.get_logged_model(model_id)
         files = {f.path for f in mlflow.MlflowClient(uri).list_logged_model_artifacts(model_id)}
     assert {"MLmodel", "input_example.json"} <= files, files
-    mlmodel = Path(mlflow.artifacts.download_artifacts(f"models:/{model_id}", tracking_uri=uri,
-                                                        dst_path=str(tmp_path / "m"))) / "MLmodel"
+    with tracker_uri(uri):  # models:/ is resolved through the global URI, not tracking_uri
+        mlmodel = Path(mlflow.artifacts.download_artifacts(
+            f"models:/{model_id}", tracking_uri=uri, dst_path=str(tmp_path / "m"))) / "MLmodel"
     assert "signature:" in mlmodel.read_text() and lm.source_run_id == run_id
     for u in (f"runs:/{run_id}/model", f"models:/{model_id}"):
         model = load_classifier(u, tracking_uri=uri)
