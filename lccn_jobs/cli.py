@@ -128,7 +128,12 @@ def add_common_args(p: argparse.ArgumentParser, *, job: str, dataset: str,
     g.add_argument("--max-failures", type=int, default=1,
                    help="worker-group restarts from the last checkpoint before giving up")
     add_tracking_options(g, store="<run-dir>")
-    g.add_argument("--experiment", default=f"lccn-{job}", help="MLflow experiment")
+    g.add_argument("--experiment", default=f"lccn-{job}",
+                   help="MLflow experiment (created by the driver, its artifacts beside a "
+                        "local store: <run-dir>/mlartifacts)")
+    g.add_argument("--register-model", default=None, metavar="NAME",
+                   help="register the run's logged model (an MLflow LoggedModel, always "
+                        "logged) in the MLflow Model Registry as NAME, a new version each run")
     g.add_argument("--smoke-test", action="store_true",
                    help="2 CPU workers on tiny shards generated under the run dir, small CNN, "
                         "a few steps")
@@ -150,7 +155,12 @@ def add_common_args(p: argparse.ArgumentParser, *, job: str, dataset: str,
                         "(T-Revision, Xia et al.); each after the same CE pre-training "
                         "(docs/methods.md)")
     m.add_argument("--pretrained", action=argparse.BooleanOptionalAction, default=None,
-                   help="ImageNet weights for the backbone (resnet50 only)")
+                   help="ImageNet weights for the backbone (default: the recipe's; on for "
+                        "clothing1m and your own images): resnet50's from the torch hub "
+                        "cache, a timm or torchvision backbone's from --weights FILE "
+                        "(`python -m pipeline.train.models fetch timm:NAME --out DIR` writes "
+                        "DIR/timm-NAME.pth) or timm's local Hugging Face cache; checked "
+                        "before Ray starts")
     m.add_argument("--init-from", default=None, metavar="RUN_OR_CHECKPOINT",
                    help="start from the weights of another run: its run folder "
                         "(<run-dir>/train/<run-name>), a checkpoint folder or state.pt. With "

@@ -125,6 +125,20 @@ def job_config(args: argparse.Namespace, dataset: str) -> JobConfig:
                      given=given)
 
 
+def check_pretrained(cfg: JobConfig, *, smoke: bool = False) -> None:
+    """The pretrained backbone's weights where the run will look for them (a file, timm's
+    local cache, the torch hub cache), checked on the driver before Ray starts and before
+    any data is converted: one line naming ``--no-pretrained`` and the fetch command
+    (SystemExit) instead of failed workers."""
+    if smoke or not cfg.pretrained:
+        return
+    from pipeline.train.models import pretrained_weights_problem
+
+    problem = pretrained_weights_problem(cfg.run.model.name, cfg.run.model.weights)
+    if problem:
+        raise SystemExit(f"error: {problem}")
+
+
 def _flag(name: str) -> str:
     """A recipe option's dest name as the command line spells it: ``--pretrain-epochs``."""
     return "--" + name.replace("_", "-")

@@ -21,6 +21,8 @@ from lccn_jobs.sources import (
     load_view,
     manifest_classes,
     resolve_sources,
+    split_lines,
+    split_manifest,
     write_synthetic_shards,
 )
 from shards.labelview import CIFAR10_CLASSES
@@ -47,6 +49,11 @@ def dataset_setup(args: argparse.Namespace, cfg: JobConfig, log: list[str], *, j
                    f"label view {args.noise}")
     train, test = resolve_sources(args)
     train_manifest = check_sources(args, train, test)
+    if not args.smoke_test and not getattr(args, "data_described", False):
+        # what the data holds, as a converting run says it (--data, --train-shards)
+        log += split_lines(train_manifest, where=train, job=job)
+        if test is not None:
+            log += split_lines(split_manifest(test, args), where=test, job=job)
     try:
         view = load_view(args, train, manifest=train_manifest)
     except ValueError as e:  # ManifestError (a shard that does not match), a bad --noise spec

@@ -34,10 +34,17 @@ from pipeline.core.config import RunConfig
 from pipeline.core.labels import LabelView
 from pipeline.data.manifest import Manifest
 from pipeline.data.split_labels import read_split_labels
-from pipeline.track.tracking import tracking_access_problem, tracking_uri_of
+from mlflow.exceptions import MlflowException
+
+from pipeline.track.tracking import (
+    prepare_store,
+    tracking_access_problem,
+    tracking_uri_of,
+)
 from pipeline.track.uris import redact_uri
 from pipeline.train.checkpoints import checkpoint_dirs, init_state_file, resume_problem
 from pipeline.train.methods import get_method
+from pipeline.train.models import pretrained_weights_problem
 
 
 @dataclass
@@ -224,9 +231,20 @@ def run_job(args: argparse.Namespace, *, job: str, run: RunConfig, dist: DistCon
     trainer (a sweep trial's report to Tune)."""
     import ray
 
-    problem = resume_problem(run, dist) or tracking_access_problem(dist.tracking_uri)
+    problem = (resume_problem(run, dist) or tracking_access_problem(dist.tracking_uri)
+               or (dist.pretrained
+                   and pretrained_weights_problem(run.model.name, run.model.weights)))
     if problem:
         raise SystemExit(f"error: {problem}")
+    register = getattr(args, "register_model", None)
+    if register and not dist.tracking_uri:
+        raise SystemExit("error: --register-model needs MLflow tracking (leave out "
+                         "--no-tracking)")
+    if dist.tracking_uri:  # the store and the experiment, with artifacts under the run dir
+        try:
+            prepare_store(dist.tracking_uri, dist.experiment)
+        except (MlflowException, ValueError) as e:
+            raise SystemExit(f"error: MLflow {redact_uri(dist.tracking_uri)}: {e}") from None
     if run.lccn.use_trusted and not view.trusted.any():
         raise SystemExit("error: LCCN+ (a trusted-set option) was asked for, but the label view "
                          "has no trusted samples")
@@ -259,4 +277,5 @@ def run_job(args: argparse.Namespace, *, job: str, run: RunConfig, dist: DistCon
         restore_sigterm(previous_sigterm)
         if started:
             ray.shutdown()
-    return summarise(out, job=job, dist=dist, view=view, seconds=time.perf_counter() - t0)
+    return summarise(out, job=job, dist=dist, view=view, seconds=time.perf_counter() - t0,
+                     register_model=register)

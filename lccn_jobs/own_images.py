@@ -13,14 +13,19 @@ import math
 from pathlib import Path
 
 from lccn_jobs.cli import local_data_note, normal_run_dir, work_dir
-from lccn_jobs.configs import noise_phase_steps, prepare, warmup_covers_phase
+from lccn_jobs.configs import (
+    check_pretrained,
+    noise_phase_steps,
+    prepare,
+    warmup_covers_phase,
+)
 from lccn_jobs.datasets import DatasetJob, dataset_setup
 from lccn_jobs.driver import JobRun
-from lccn_jobs.sources import SmokeData
+from lccn_jobs.sources import SmokeData, split_lines
 from pipeline.data.transforms import imagenet_preset
 from pipeline.train.methods import get_method
 from shards import csvlist, imagefolder
-from shards.writer import ShardError
+from shards.writer import BadImageError, ShardError
 
 _DOC = """Train on your own images: a class-folder tree or a CSV of path,label, any backbone, on Ray Train.
 
@@ -36,15 +41,20 @@ The folder labels (or the CSV's) are the noisy labels trained on. --test-images 
 the clean test set, reported at the end; without one the run is chosen and reported on the
 noisy validation split carved from the training data (--val-fraction, stratified by label).
 Conversion writes WebDataset shards under <run-dir>/data/ (a rerun reuses them) and shows
-its progress; the images keep their bytes unless --resize-short N.
+its progress; the images keep their bytes unless --resize-short N. Images that cannot be
+read (corrupt, truncated, empty) are skipped, counted and named (--no-skip-bad: stop at the
+first); files that are not images are ignored and named; an empty class folder is an error.
 
-Defaults: LCCN on an ImageNet ResNet-50 (weights from a local file or cache: --weights FILE,
-fetched once with `python -m pipeline.train.models fetch resnet50 --out DIR`), 224x224
+Defaults: LCCN on an ImageNet ResNet-50 (its weights in the torch hub cache, put there once
+with `python -m pipeline.train.models fetch resnet50`; a timm or torchvision backbone's from
+--weights DIR/<timm|tv>-<name>.pth, written by `python -m pipeline.train.models fetch
+timm:<name> --out DIR`; --no-pretrained trains from scratch; checked before anything is
+converted), 224x224
 crops, batch 64, lr 0.01, 30 epochs (3 CE), lr /10 at epoch 20; any timm or torchvision
 backbone by name (--model timm:convnext_tiny, --model tv:resnet18).
 
     python jobs/train.py --images ~/data/pets --test-images ~/data/pets-test \\
-        --model timm:convnext_tiny --weights ~/weights/convnext_tiny.safetensors --image-size 224
+        --model timm:convnext_tiny --weights ~/weights/timm-convnext_tiny.pth --image-size 224
     python jobs/train.py --csv ~/data/crawl/labels.csv --no-pretrained --model tv:resnet18
     ray job submit --working-dir . -- python jobs/train.py --images /abs/pets --run-dir /abs/runs
     python -m tune.sweep --job train --space alpha -- --images /abs/pets --run-dir /abs/runs
@@ -74,6 +84,11 @@ def add_own_data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--resize-short", type=int, default=0, metavar="N",
                    help="store images with their shorter side at most N (JPEG re-encode; "
                         "0: the original bytes)")
+    g.add_argument("--skip-bad", action=argparse.BooleanOptionalAction, default=True,
+                   help="images that cannot be read (corrupt, truncated, empty files) are "
+                        "left out of the shards, counted and named in the output and in the "
+                        "split's manifest (source.skipped); --no-skip-bad stops at the first "
+                        "one instead")
     g.add_argument("--convert-workers", type=int, default=1,
                    help="processes writing shards")
     g.add_argument("--shard-size", type=int, default=0, metavar="N",
@@ -141,8 +156,9 @@ def prepare_data(args: argparse.Namespace, root: Path | None = None, *,
             raise SystemExit(f"error: {e}") from None
         n = sum(1 for r in rows if r["split"] == args.train_split)
     size = args.shard_size or auto_shard_size(n, args.num_workers, args.loader_workers)
+    skip_bad = getattr(args, "skip_bad", True)
     opts = dict(shard_size=size, workers=args.convert_workers,
-                resize_short=args.resize_short or None, progress=True)
+                resize_short=args.resize_short or None, progress=True, skip_bad=skip_bad)
     train, test = args.train_split, args.test_split
     print(f"[{job}] converting {option} {src}" + (f" and --test-images {test_src}"
                                                    if test_src else "") + f" -> {out}",
@@ -180,12 +196,16 @@ def prepare_data(args: argparse.Namespace, root: Path | None = None, *,
             manifests.update(imagefolder.convert(
                 test_src, out, dataset=src.name, flat_split=test,
                 classes=manifests[train].classes, **opts))
+    except BadImageError as e:
+        raise SystemExit(f"error: {e}" + ("" if skip_bad else
+                                          " (--skip-bad leaves such images out, naming them)")
+                         ) from None
     except ShardError as e:
         raise SystemExit(f"error: {e}") from None
     for split, m in sorted(manifests.items()):
-        log.append(f"[{job}] {split}: {m.num_samples:,} images, {len(m.classes)} classes "
-                   f"in {out / split}")
+        log += split_lines(m, where=out / split, job=job)
     log += local_data_note(args, job, out)
+    args.data_described = True
     args.train_shards = str(out / train)
     args.test_shards = str(out / test) if test in manifests else None
     args.images = args.csv = args.test_images = None
@@ -213,6 +233,8 @@ class OwnImagesJob(DatasetJob):
         """Parsed arguments -> the run's configs and label view (the data converted first,
         nothing trained yet)."""
         args.run_dir = normal_run_dir(args.run_dir)
+        # the model's weights before the data is converted (minutes for a large folder)
+        check_pretrained(self.config(args), smoke=args.smoke_test)
         data_log = [] if args.smoke_test else prepare_data(args, job=self.name)
         if args.image_size is None:
             args.image_size = SMOKE_IMAGE_SIZE if args.smoke_test else 224

@@ -25,7 +25,7 @@ from pipeline.train.engine import final_export_path, select_epoch
 
 
 def summarise(out: dict[str, Any], *, job: str, dist: DistConfig, view: LabelView,
-              seconds: float) -> dict[str, Any]:
+              seconds: float, register_model: str | None = None) -> dict[str, Any]:
     """The summary of a finished run (``out``: the result of
     :func:`pipeline.cluster.ray_train.fit_distributed`), printed, and written with the
     method's files under ``<run-dir>/results``. Returns it."""
@@ -56,6 +56,8 @@ def summarise(out: dict[str, Any], *, job: str, dist: DistConfig, view: LabelVie
         print(f"[{job}] selected epoch {sel['epoch'] + 1} (best noisy-validation accuracy "
               f"{sel['val_top1']:.4f}): clean test accuracy {test}", flush=True)
     summary["metrics"] = measured(metrics)
+    summary["mlflow"] = mlflow_after_run(summary, dist=dist, view=view, job=job,
+                                         register=register_model)
     summary["label_issues"] = label_issue_report(state, view=view, dist=dist,
                                                  run_id=summary["mlflow_run_id"])
     results = storage.join(dist.run_dir, "results")
@@ -83,6 +85,76 @@ def summarise(out: dict[str, Any], *, job: str, dist: DistConfig, view: LabelVie
         (out_dir / f"{dist.run_name}.json").write_text(
             json.dumps(json_safe(summary), indent=1, default=str, allow_nan=False))
     return summary
+
+
+def view_name(view: LabelView) -> str:
+    """A label view's short name: its file's stem, else its spec's kind (and rate)."""
+    spec = view.spec or {}
+    if spec.get("path"):
+        return Path(str(spec["path"])).stem
+    name = str(spec.get("kind", "labels"))
+    return name + (f"-{spec['rate']:g}" if isinstance(spec.get("rate"), (int, float)) else "")
+
+
+def mlflow_after_run(summary: dict[str, Any], *, dist: DistConfig, view: LabelView, job: str,
+                     register: str | None = None) -> dict[str, Any] | None:
+    """On the driver once the run is over: the training data as the run's dataset input
+    (the shards' URI, their manifest's digest, the label view's name), the tag
+    ``lccn.checkpoint`` (the final checkpoint's path: checkpoints stay in the run dir, see
+    docs/operations.md), the LoggedModel the run logged registered as ``register`` (Model
+    Registry), and the UI links printed. Returns what it did; None without tracking."""
+    run_id = summary.get("mlflow_run_id")
+    if not dist.tracking_uri or not run_id:
+        return None
+    import hashlib
+
+    from mlflow import MlflowClient
+
+    from pipeline.data.stream import LoaderConfig, load_manifest
+    from pipeline.track.tracking import _use_tracking_uri, log_dataset, ui_links
+
+    client = MlflowClient(tracking_uri=dist.tracking_uri)
+    run = client.get_run(run_id)
+    exp = run.info.experiment_id
+    done: dict[str, Any] = {"run_id": run_id, "experiment_id": exp}
+    manifest = load_manifest(dist.train_source,
+                             cfg=LoaderConfig(s3_endpoint_url=dist.s3_endpoint_url))
+    digest = hashlib.sha256(manifest.to_json().encode()).hexdigest()[:12]
+    name = f"{manifest.dataset}/{manifest.split}:{view_name(view)}"
+    if not any(d.dataset.name == name and d.dataset.digest == digest
+               for d in (run.inputs.dataset_inputs if run.inputs else [])):
+        log_dataset(client, run_id, source=str(dist.train_source), digest=digest, name=name,
+                    num_samples=manifest.num_samples)
+    done["dataset"] = {"name": name, "digest": digest, "source": str(dist.train_source)}
+    if summary.get("checkpoint"):
+        client.set_tag(run_id, "lccn.checkpoint", str(summary["checkpoint"]))
+    models = [m for m in client.search_logged_models(
+        experiment_ids=[exp], filter_string="name = 'model'")
+        if m.source_run_id == run_id]
+    model_id = models[0].model_id if models else None
+    done["model_id"] = model_id
+    if register:
+        if model_id is None:
+            print(f"[{job}] warning: --register-model {register}: the run logged no model "
+                  f"(no test or validation images to sign it with)", flush=True)
+        else:
+            import mlflow
+
+            with _use_tracking_uri(dist.tracking_uri):
+                mv = mlflow.register_model(f"models:/{model_id}", register)
+            done["registered"] = {"name": register, "version": mv.version}
+            print(f"[{job}] registered model {register!r} version {mv.version} "
+                  f"(models:/{register}/{mv.version})", flush=True)
+    links = ui_links(dist.tracking_uri, exp, run_id, model_id)
+    done["links"] = links
+    lines = [f"[{job}] MLflow" + (f" (start the UI with `{links['command']}`)"
+                                  if "command" in links else "") + ":",
+             f"  runs  {links['experiment']}", f"  run   {links['run']}"]
+    if model_id:
+        lines.append(f"  model {links['model']}  (load: runs:/{run_id}/model or "
+                     f"models:/{model_id})")
+    print("\n".join(lines), flush=True)
+    return done
 
 
 def label_issue_report(state: dict[str, Any], *, view: LabelView, dist: DistConfig,

@@ -126,6 +126,36 @@ def load_view(args: argparse.Namespace, train: str, *,
     return build_view(train, spec, checksums=getattr(args, "verify_checksums", True))
 
 
+NAMES_SHOWN = 20  # the bad or ignored files named in the output (the manifest names all)
+
+
+def _names(items: list[str], more: str) -> list[str]:
+    shown = [f"    {x}" for x in items[:NAMES_SHOWN]]
+    if len(items) > NAMES_SHOWN:
+        shown.append(f"    ... and {len(items) - NAMES_SHOWN:,} more ({more})")
+    return shown
+
+
+def split_lines(m: Manifest, *, where: Path | str, job: str) -> list[str]:
+    """What a converted split holds, for the job's output: ``N images, K classes in
+    <where>``, then the images left out as unreadable (``--skip-bad``) and the files that
+    are not images, each named (the first :data:`NAMES_SHOWN`; the manifest names all)."""
+    lines = [f"[{job}] {m.split}: {m.num_samples:,} images, {len(m.classes)} classes in {where}"]
+    src = m.source or {}
+    skipped = src.get("skipped") or {}
+    if skipped.get("count"):
+        lines.append(f"[{job}] {m.split}: skipped {skipped['count']:,} unreadable image(s) "
+                     f"(listed in {where}/{MANIFEST_NAME}, source.skipped):")
+        lines += _names(list(skipped.get("errors") or skipped.get("keys") or []),
+                        f"{MANIFEST_NAME}")
+    ignored = src.get("ignored") or []
+    if src.get("ignored_files"):
+        lines.append(f"[{job}] {m.split}: ignored {src['ignored_files']:,} file(s) that are "
+                     f"not images (hidden, no image extension, or outside the class folders):")
+        lines += _names(list(ignored), f"{MANIFEST_NAME}, source.ignored")
+    return lines
+
+
 # -- tiny generated shards for --smoke-test ---------------------------------------------------
 
 

@@ -15,19 +15,20 @@ Columns (a header row is required; other columns are ignored):
 Classes are the sorted distinct ``label`` values of every row (so every split uses the same
 label indices), or an explicit ``classes`` list (a label not in it is an error naming the
 line). Every file is checked to exist before anything is written; a missing file, an empty
-cell or a path listed twice in one split is an error naming the CSV's line. ``key`` = the
+cell, a path listed twice in one split, a row with more cells than the header has columns
+or an unterminated quote is an error naming the CSV's line. ``key`` = the
 ``path`` cell as written. Rows are written in a seeded random order (``shuffle_seed``) so
 that every shard mixes the classes; ``idx`` = the position in that order.
 """
 
 from __future__ import annotations
 
-import csv
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
+from pipeline.core import csvrows
 from pipeline.data.manifest import Manifest
 from shards.writer import SampleRecord, ShardError, WriterOptions, shuffled, write_split
 
@@ -43,27 +44,28 @@ def read_rows(path: str | os.PathLike) -> list[dict[str, str | int]]:
         raise ShardError(f"{path}: no such file")
     rows: list[dict[str, str | int]] = []
     with open(path, newline="", encoding="utf-8-sig") as f:
-        reader = csv.DictReader(f)
-        cols = [c.strip() for c in (reader.fieldnames or [])]
-        missing = [c for c in ("path", "label") if c not in cols]
-        if missing:
-            raise ShardError(f"{path}:1: the header needs the columns path,label (missing "
-                             f"{','.join(missing)}; got {','.join(cols) or 'no header'})")
-        reader.fieldnames = cols
-        for line, row in enumerate(reader, start=2):
-            if not any((v or "").strip() for v in row.values() if isinstance(v, str)):
-                continue  # a blank line
-            cell = {k: (row.get(k) or "").strip() for k in ("path", "label", "split", "clean")}
-            for k in ("path", "label"):
-                if not cell[k]:
-                    raise ShardError(f"{path}:{line}: empty {k}")
-            file = Path(cell["path"])
-            file = file if file.is_absolute() else path.parent / file
-            if not file.is_file():
-                raise ShardError(f"{path}:{line}: {file}: no such file")
-            rows.append({"line": line, "path": cell["path"], "file": str(file),
-                         "label": cell["label"], "split": cell["split"] or DEFAULT_SPLIT,
-                         "clean": cell["clean"]})
+        try:
+            cols, table = csvrows.dict_rows(f, path)
+            missing = [c for c in ("path", "label") if c not in cols]
+            if missing:
+                raise ShardError(f"{path}:1: the header needs the columns path,label (missing "
+                                 f"{','.join(missing)}; got {','.join(cols) or 'no header'})")
+            for line, row in table:
+                cell = {k: (row.get(k) or "").strip() for k in ("path", "label", "split", "clean")}
+                for k in ("path", "label"):
+                    if not cell[k]:
+                        raise ShardError(f"{path}:{line}: empty {k}")
+                file = Path(cell["path"])
+                file = file if file.is_absolute() else path.parent / file
+                if not file.is_file():
+                    raise ShardError(f"{path}:{line}: {file}: no such file")
+                rows.append({"line": line, "path": cell["path"], "file": str(file),
+                             "label": cell["label"], "split": cell["split"] or DEFAULT_SPLIT,
+                             "clean": cell["clean"]})
+        except csvrows.CSVFormatError as e:
+            raise ShardError(str(e)) from None
+        except UnicodeDecodeError as e:
+            raise ShardError(f"{path}: not UTF-8 text ({e})") from None
     if not rows:
         raise ShardError(f"{path}: no rows under the header")
     return rows

@@ -11,8 +11,11 @@ to the class folder. That class-then-file list is written in a seeded random ord
 (:func:`shards.writer.shuffled`); ``shuffle_seed=None`` keeps the list order. ``label`` =
 the class index; ``clean`` = the class index too (the folders are the dataset's labels), or
 ``-1`` with ``labels_unverified=True`` (e.g. web-crawled folders). ``key`` =
-``<class>/<file>``, relative to the split folder. Hidden files and files without an image extension are ignored (and
-counted in the manifest's ``source["ignored_files"]``).
+``<class>/<file>``, relative to the split folder. Hidden files, files without an image
+extension and files beside the class folders are ignored: counted in the manifest's
+``source["ignored_files"]`` and named in ``source["ignored"]``. A class folder without
+any image (in every converted split) is an error naming it, when the classes come from the
+folders: it would be a class with no samples.
 
 For the CIFAR-10 JPEG tree (``train|test/<class>/NNNN.jpg``) this gives 50,000 train and
 10,000 test samples, labels in the standard CIFAR-10 order. ``per_class=N`` keeps the first N
@@ -36,30 +39,33 @@ def _visible_dirs(path: Path) -> list[str]:
     return sorted(e.name for e in os.scandir(path) if e.is_dir() and not e.name.startswith("."))
 
 
-def list_class_files(class_dir: Path) -> tuple[list[str], int]:
-    """Image files under ``class_dir`` (relative POSIX paths, unsorted) and the ignored count."""
+def list_class_files(class_dir: Path) -> tuple[list[str], list[str]]:
+    """Image files under ``class_dir`` and the files ignored there (hidden, or without an
+    image extension), both as relative POSIX paths, unsorted."""
     files: list[str] = []
-    ignored = 0
+    ignored: list[str] = []
     for dirpath, dirnames, filenames in os.walk(class_dir):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
         rel_dir = Path(dirpath).relative_to(class_dir)
         for f in filenames:
             if f.startswith(".") or Path(f).suffix.lower() not in IMAGE_EXTENSIONS:
-                ignored += 1
+                ignored.append((rel_dir / f).as_posix())
                 continue
             files.append((rel_dir / f).as_posix())
     return files, ignored
 
 
-def scan_split(split_dir: Path, classes: Sequence[str]) -> tuple[dict[str, list[str]], int]:
-    """``{class: image files relative to its folder}`` of one split, and the ignored count."""
+def scan_split(split_dir: Path, classes: Sequence[str]) -> tuple[dict[str, list[str]], list[str]]:
+    """``{class: image files relative to its folder}`` of one split, and the files ignored
+    (relative to ``split_dir``, sorted): those of the class folders that are not images,
+    and the files beside the class folders (in no class)."""
     files: dict[str, list[str]] = {}
-    ignored = 0
+    ignored: list[str] = [e.name for e in os.scandir(split_dir) if not e.is_dir()]
     for cls in classes:
         if (split_dir / cls).is_dir():
-            files[cls], n = list_class_files(split_dir / cls)
-            ignored += n
-    return files, ignored
+            files[cls], names = list_class_files(split_dir / cls)
+            ignored += [f"{cls}/{n}" for n in names]
+    return files, sorted(ignored)
 
 
 def find_splits(src: str | os.PathLike) -> list[str]:
@@ -148,6 +154,7 @@ def convert(
             raise ShardError(f"{split_dirs[split]}: split folder not found")
         class_dirs[split] = _visible_dirs(split_dirs[split])
     found = sorted(set().union(*class_dirs.values()))
+    derived = classes is None
     if classes is None:
         classes = found
     else:
@@ -170,9 +177,23 @@ def convert(
         raise ShardError(f"{src}: no class folders under {splits}")
     opts = WriterOptions(shard_size=shard_size, workers=workers, resize_short=resize_short,
                          validate=validate, skip_bad=skip_bad, progress=progress)
+    scanned = {split: scan_split(split_dirs[split], classes) for split in splits}
+    if derived:  # a class folder without images would be a class with no samples
+        empty = [c for c in classes if not any(scanned[s][0].get(c) for s in splits)]
+        if empty:
+            where = [str(split_dirs[s] / c) for c in empty for s in splits
+                     if (split_dirs[s] / c).is_dir()]
+            inside = sorted(f for s in splits for f in scanned[s][1]
+                            if f.split("/", 1)[0] in empty)
+            raise ShardError(
+                f"empty class folder(s) {', '.join(where)}: no image files "
+                f"({', '.join(sorted(IMAGE_EXTENSIONS))})"
+                + (f"; only {', '.join(inside[:10])}{', ...' if len(inside) > 10 else ''}"
+                   if inside else "")
+                + ". A folder is a class: put images in it or remove it")
     out: dict[str, Manifest] = {}
     for split in splits:
-        files, ignored = scan_split(split_dirs[split], classes)
+        files, ignored = scanned[split]
         records = split_records(split_dirs[split], files, classes,
                                 labels_unverified=labels_unverified, per_class=per_class)
         if shuffle_seed is not None:
@@ -180,7 +201,8 @@ def convert(
         source = {"converter": "shards.imagefolder",
                   "format": "imagefolder-flat" if flat else "imagefolder",
                   "root": str(src), "labels_unverified": labels_unverified,
-                  "ignored_files": ignored, "shuffle_seed": shuffle_seed}
+                  "ignored_files": len(ignored), "ignored": ignored,
+                  "shuffle_seed": shuffle_seed}
         if per_class is not None:
             source["per_class"] = per_class
         out[split] = write_split(records, out_dir, dataset=dataset, split=split,

@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 from tqdm import tqdm
 
 from pipeline.data.manifest import MANIFEST_NAME, Manifest, ShardInfo, sample_key
@@ -173,6 +173,8 @@ def _check_image(rec: SampleRecord, data: bytes, opts: WriterOptions, *,
     ``for_scan``: also decode images that the write phase will decode (to resize or re-encode
     them), so that the ``skip_bad`` scan finds every image the write phase would fail on.
     """
+    if not data:
+        raise BadImageError(f"{rec.describe()}: empty file (0 bytes)")
     try:
         with Image.open(io.BytesIO(data)) as img:
             fmt, size = img.format, img.size
@@ -182,6 +184,9 @@ def _check_image(rec: SampleRecord, data: bytes, opts: WriterOptions, *,
         if opts.validate == "decode" or (for_scan and reencoded):
             with Image.open(io.BytesIO(data)) as img:
                 img.load()
+    except UnidentifiedImageError:  # its message names a BytesIO object, not the file
+        raise BadImageError(f"{rec.describe()}: not a valid image (no image format PIL reads: "
+                            f"{len(data):,} bytes starting {data[:8]!r})") from None
     except Exception as e:  # PIL raises many types (OSError, SyntaxError, struct.error, ...)
         raise BadImageError(
             f"{rec.describe()}: not a valid image ({type(e).__name__}: {e})"

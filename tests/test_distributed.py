@@ -319,9 +319,10 @@ def test_a_ce_run_tracks_each_epoch_once_with_its_lr_and_the_final_checkpoint(di
     assert sorted(m.step for m in client.get_metric_history(mlrun.info.run_id, "val_top1")) \
         == [0, 1, 2]
     files = {f.path for f in client.list_artifacts(mlrun.info.run_id)}
-    assert "checkpoint" in files and "transition.csv" not in files
-    ckpt = {f.path for f in client.list_artifacts(mlrun.info.run_id, "checkpoint")}
-    assert "checkpoint/state.pt" in ckpt
+    # the checkpoint stays in the run dir only (docs/operations.md); the model is logged
+    assert "checkpoint" not in files and "transition.csv" not in files
+    models = client.search_logged_models(experiment_ids=[mlrun.info.experiment_id])
+    assert [m.source_run_id for m in models] == [mlrun.info.run_id]
 
 
 def test_outlier_export_survives_a_failure_in_its_window(digits, tmp_path, one_thread):
@@ -818,11 +819,11 @@ def test_mlflow_run_holds_metrics_figures_and_checkpoint(chaos_run, tmp_path):
             "z_agreement", "phi_drift", "collapse", "observed_loss",
             "noise_floor"} <= set(run.data.metrics)
     files = {f.path for f in client.list_artifacts(run.info.run_id)}
-    assert {"transitions", "transition.csv", "checkpoint", "curves.png"} <= files
+    assert {"transitions", "transition.csv", "curves.png"} <= files and "checkpoint" not in files
     figs = {f.path for f in client.list_artifacts(run.info.run_id, "transitions")}
     assert {f"transitions/phi_epoch_{e:03d}.png" for e in range(PRETRAIN, EPOCHS)} <= figs
-    ckpt = {f.path for f in client.list_artifacts(run.info.run_id, "checkpoint")}
-    assert "checkpoint/state.pt" in ckpt
+    # the checkpoint is referenced (the driver's tag), not copied into MLflow
+    assert run.data.tags["lccn.checkpoint"] == str(s["checkpoint"])
     # the classifier records what lccn-predict needs: the run's transform and class names
     local = mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="model",
                                                 tracking_uri=s["tracking_uri"],

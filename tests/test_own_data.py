@@ -205,3 +205,120 @@ def test_a_sweep_converts_the_data_once_for_every_trial(own, tmp_path):
                             experiment="e", parent_run_id=None)
     assert jr.dist.train_source == job_args.train_shards and jr.run.lccn.alpha == 3.0
     assert not (tmp_path / "trials" / "t0" / "data").exists()  # no conversion per trial
+
+
+# -- bad input through the job (issue 46) ------------------------------------------------------
+
+
+def _with_bad_files(own, root: Path) -> Path:
+    """A copy of the training folder with three unreadable images (random bytes named .jpg,
+    an empty file, a JPEG cut after 100 bytes) and two files that are not images (one in a
+    class folder, one beside the class folders)."""
+    photos = root / "photos"
+    shutil.copytree(own["train"], photos)
+    (photos / "cat" / "broken.jpg").write_bytes(b"this is not a JPEG at all " * 4)
+    (photos / "dog" / "empty.jpg").write_bytes(b"")
+    real = sorted(own["train"].rglob("*.jpg"))[0].read_bytes()
+    (photos / "airplane" / "cut.jpg").write_bytes(real[:100])
+    (photos / "cat" / "notes.txt").write_text("not an image")
+    (photos / "README.md").write_text("my photos")
+    return photos
+
+
+BAD_KEYS = ["airplane/cut.jpg", "cat/broken.jpg", "dog/empty.jpg"]
+
+
+def test_the_job_skips_unreadable_images_naming_them_and_the_files_that_are_not_images(
+        own, tmp_path, capsys):
+    photos = _with_bad_files(own, tmp_path)
+    argv = ["--images", str(photos), "--test-images", str(own["test"]), "--run-dir",
+            str(tmp_path / "runs"), "--no-pretrained", "--model", "small_cnn",
+            "--image-size", "32"]
+    _, jr = _prepare(argv)
+    out = capsys.readouterr().out + "\n".join(jr.lines())
+    assert len(jr.view) == 120 and jr.view.num_classes == 3  # the 3 bad ones left out
+    assert "[train] train: 120 images, 3 classes" in out
+    assert "[train] train: skipped 3 unreadable image(s)" in out
+    assert "dog/empty.jpg: empty file (0 bytes)" in out
+    assert "cat/broken.jpg: not a valid image (no image format PIL reads: 104 bytes" in out
+    assert "BytesIO" not in out
+    assert "airplane/cut.jpg: not a valid image" in out
+    assert "[train] train: ignored 2 file(s) that are not images" in out
+    assert "    README.md" in out and "    cat/notes.txt" in out
+    m = Manifest.load(jr.dist.train_source)
+    assert sorted(m.source["skipped"]["keys"]) == BAD_KEYS and m.source["skipped"]["count"] == 3
+    assert m.source["ignored"] == ["README.md", "cat/notes.txt"]
+    assert not set(read_split_labels(jr.dist.train_source)["key"]) & set(BAD_KEYS)
+    # opt out: the first bad image stops the conversion, and the message names the flag
+    with pytest.raises(SystemExit, match=r"error: .*(cut|broken|empty)\.jpg: .*--skip-bad "
+                                         r"leaves such images out"):
+        _prepare(argv + ["--no-skip-bad"])
+
+
+def test_a_data_run_says_what_its_shards_hold_and_what_the_converter_skipped(own, tmp_path):
+    photos = _with_bad_files(own, tmp_path)
+    shards_root = tmp_path / "shards"
+    assert cli.main(["imagefolder", str(photos), "--out", str(shards_root), "--no-progress",
+                     "--skip-bad", "--shard-size", "40"]) == 0
+    _, jr = _prepare(["--data", str(shards_root), "--run-dir", str(tmp_path / "runs"),
+                      "--no-pretrained", "--model", "small_cnn", "--image-size", "32"])
+    lines = "\n".join(jr.lines())
+    assert f"[train] train: 120 images, 3 classes in {shards_root / 'train'}" in lines
+    assert "[train] train: skipped 3 unreadable image(s)" in lines and "dog/empty.jpg" in lines
+
+
+def test_an_empty_class_folder_is_refused_naming_it(own, tmp_path):
+    photos = tmp_path / "photos"
+    shutil.copytree(own["train"], photos)
+    (photos / "bird").mkdir()
+    (photos / "bird" / "Thumbs.db").write_bytes(b"\0")
+    with pytest.raises(SystemExit, match=rf"empty class folder\(s\) {photos / 'bird'}: no "
+                                         rf"image files .*only bird/Thumbs\.db.*remove it"):
+        _prepare(["--images", str(photos), "--test-images", str(own["test"]), "--run-dir",
+                  str(tmp_path / "runs"), "--no-pretrained", "--model", "small_cnn"])
+    assert not list((tmp_path / "runs").rglob("manifest.json"))
+
+
+@pytest.mark.parametrize("body, match", [
+    # an unterminated quote on line 3 swallows the rest (beyond csv's field limit)
+    ('"{a},cat\n' + "{a},dog\n" * 12000, r"l\.csv:3: a quote opened on line 3 is never closed"),
+    ('"{a},cat\n{a},dog\n', r"l\.csv:3: a quote opened on line 3 is never closed"),
+    ("{a},dog,stray\n", r"l\.csv:3: 3 cells, but the header has 2 columns \(extra: 'stray'\)"),
+])
+def test_a_malformed_csv_row_stops_the_job_naming_its_line(own, tmp_path, body, match):
+    img = sorted(own["train"].rglob("*.jpg"))[0]
+    f = tmp_path / "l.csv"
+    f.write_text("path,label\n" + f"{img},cat\n" + body.format(a=img))
+    with pytest.raises(SystemExit, match=match):
+        _prepare(["--csv", str(f), "--run-dir", str(tmp_path / "runs"), "--no-pretrained",
+                  "--model", "small_cnn"])
+    assert not (tmp_path / "runs" / "data").exists()
+
+
+def test_a_label_file_with_an_unterminated_quote_names_its_line(tmp_path):
+    from pipeline.core.noise import from_csv
+
+    f = tmp_path / "labels.csv"
+    f.write_text("key,label\na,0\n\"b,1\n" + "c,1\n" * 20000)
+    with pytest.raises(ValueError, match=r"labels\.csv:3: a quote opened on line 3"):
+        from_csv(f, ["a", "b", "c"], 2)
+
+
+def test_pretrained_weights_are_checked_before_anything_is_converted(own, tmp_path,
+                                                                     monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    base = ["--images", str(own["train"]), "--run-dir", str(tmp_path / "runs"),
+            "--model", "timm:resnet18", "--image-size", "32"]
+    with pytest.raises(SystemExit, match=r"--model timm:resnet18 with ImageNet weights "
+                                         r"\(--pretrained\) needs --weights FILE.*"
+                                         r"`python -m pipeline\.train\.models fetch "
+                                         r"timm:resnet18 --out DIR` \(it writes "
+                                         r"DIR/timm-resnet18\.pth\).*--no-pretrained"):
+        _prepare(base)
+    with pytest.raises(SystemExit, match=r"--weights .*nope\.pth: no such file"):
+        _prepare(base + ["--weights", str(tmp_path / "nope.pth")])
+    assert not (tmp_path / "runs").exists()  # nothing converted
+    text = train.get_args_parser().format_help()
+    assert "resnet50 only" not in text and "timm-convnext_tiny.pth" in text

@@ -495,3 +495,123 @@ def test_mlflow_server_script_reads_the_admin_password_from_a_file(tmp_path):
     for f in ("admin_password", "basic_auth.ini", "secret_key"):
         assert (auth / f).stat().st_mode & 0o077 == 0, f
     assert "file-secret" not in done.stdout + done.stderr
+
+
+def _rest(uri: str, path: str, body: dict | None = None) -> dict:
+    """One request to the server's REST API as the UI makes it (``/ajax-api/...``)."""
+    import json
+
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"{uri}{path}", data=data,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def test_the_job_end_on_a_server_logged_model_dataset_registry_and_ui_pages(server, tmp_path):
+    """What a job's run leaves on a real ``mlflow server``, read back through the REST
+    endpoints the MLflow 3 UI calls: the classifier as a LoggedModel of the run (signature,
+    input example; `runs:/<run>/model` and `models:/<id>` load it), the training shards as
+    the run's dataset input (manifest digest, label view name), a registered version with
+    --register-model, the per-epoch metrics, the transition heat maps, the checkpoint's path
+    as a tag (not its bytes), and the UI links with ?workflowType=machine_learning."""
+    import mlflow
+
+    from lccn_jobs.reporting import mlflow_after_run
+    from lccn_jobs.sources import write_synthetic_shards
+    from pipeline.cluster.worker import DistConfig
+    from pipeline.core.labels import LabelView
+    from pipeline.data.manifest import Manifest
+    from pipeline.track.predict import load_classifier
+    from pipeline.train.export import Predictor
+
+    uri = server.wait()
+    train_dir, _ = write_synthetic_shards(tmp_path / "shards", dataset="toy", num_classes=3,
+                                          size=(8, 8), n_train=24, n_test=6, seed=0,
+                                          shard_size=12, noisy_web_labels=True)
+    tracker = Tracker(tracking_uri=uri, experiment="lccn-ui", run_name="own")
+    run_id = tracker.start({"method": "lccn"})
+    for epoch in range(3):
+        tracker.log_metrics({"test_top1": 0.3 + 0.1 * epoch}, step=epoch)
+        tracker.log_transition(np.full((3, 3), 1 / 3), epoch=epoch, class_names=["a", "b", "c"])
+    net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 8 * 8, 3))
+    predictor = Predictor([net], 3, preset="imagenet8", class_names=("a", "b", "c"),
+                          weights="final epoch 3")
+    assert tracker.log_model(predictor, torch.rand(2, 3, 8, 8)) == f"runs:/{run_id}/model"
+    tracker.end()
+    dist = DistConfig(run_name="own", run_dir=str(tmp_path), train_source=str(train_dir),
+                      tracking_uri=uri, experiment="lccn-ui", class_names=("a", "b", "c"))
+    view = LabelView(observed=np.zeros(24, np.int64), clean=np.full(24, -1, np.int64),
+                     num_classes=3, spec={"kind": "dataset"})
+    ckpt = str(tmp_path / "train" / "own" / "checkpoint_000002")
+    done = mlflow_after_run({"mlflow_run_id": run_id, "checkpoint": ckpt}, dist=dist,
+                            view=view, job="train", register="lccn-own")
+    exp = done["experiment_id"]
+
+    # the logged model, as the UI's Models tab searches it
+    found = _rest(uri, "/ajax-api/2.0/mlflow/logged-models/search",
+                  {"experiment_ids": [exp]})["models"]
+    assert len(found) == 1 and found[0]["info"]["source_run_id"] == run_id
+    model_id = found[0]["info"]["model_id"]
+    assert done["model_id"] == model_id and found[0]["info"]["name"] == "model"
+    with tracker_uri(uri):
+        lm = mlflow.get_logged_model(model_id)
+        files = {f.path for f in mlflow.MlflowClient(uri).list_logged_model_artifacts(model_id)}
+    assert {"MLmodel", "input_example.json"} <= files, files
+    with tracker_uri(uri):  # models:/ is resolved through the global URI, not tracking_uri
+        mlmodel = Path(mlflow.artifacts.download_artifacts(
+            f"models:/{model_id}", tracking_uri=uri, dst_path=str(tmp_path / "m"))) / "MLmodel"
+    assert "signature:" in mlmodel.read_text() and lm.source_run_id == run_id
+    for u in (f"runs:/{run_id}/model", f"models:/{model_id}"):
+        model = load_classifier(u, tracking_uri=uri)
+        assert model.class_names == ("a", "b", "c") and model(torch.rand(1, 3, 8, 8)).shape == (1, 3)
+    # the run: its dataset input, the checkpoint reference, metrics, heat maps
+    run = _rest(uri, f"/ajax-api/2.0/mlflow/runs/get?run_id={run_id}")["run"]
+    (ds,) = run["inputs"]["dataset_inputs"]
+    digest = __import__("hashlib").sha256(Manifest.load(train_dir).to_json().encode()).hexdigest()
+    assert ds["dataset"]["name"] == "toy/train:dataset" and ds["dataset"]["digest"] == digest[:12]
+    assert str(train_dir) in ds["dataset"]["source"]
+    assert {t["key"]: t["value"] for t in run["data"]["tags"]}["lccn.checkpoint"] == ckpt
+    hist = _rest(uri, f"/ajax-api/2.0/mlflow/metrics/get-history?run_id={run_id}"
+                      f"&metric_key=test_top1")["metrics"]
+    assert [round(m["value"], 3) for m in sorted(hist, key=lambda m: m["step"])] == [0.3, 0.4, 0.5]
+    arts = _rest(uri, f"/ajax-api/2.0/mlflow/artifacts/list?run_id={run_id}&path=transitions")
+    assert sorted(f["path"] for f in arts["files"]) == [
+        f"transitions/phi_epoch_{e:03d}.png" for e in range(3)]
+    assert not any(f["path"] == "checkpoint"
+                   for f in _rest(uri, f"/ajax-api/2.0/mlflow/artifacts/list?run_id={run_id}")
+                   .get("files", []))
+    # the registry, as the UI's Models page reads it
+    versions = _rest(uri, "/ajax-api/2.0/mlflow/model-versions/search?filter=name%3D%27lccn-own%27")
+    assert [v["version"] for v in versions["model_versions"]] == ["1"]
+    # the UI links: the machine-learning view of the experiment, the run, the model
+    links = done["links"]
+    assert links["experiment"] == f"{uri}/#/experiments/{exp}/runs?workflowType=machine_learning"
+    assert links["run"] == f"{uri}/#/experiments/{exp}/runs/{run_id}?workflowType=machine_learning"
+    assert links["model"] == (f"{uri}/#/experiments/{exp}/models/{model_id}"
+                              f"?workflowType=machine_learning")
+    with urllib.request.urlopen(links["run"].split("#")[0], timeout=30) as r:
+        assert r.status == 200 and b"<div id=\"root\"" in r.read()  # the UI's page
+
+
+def tracker_uri(uri: str):
+    from pipeline.track.tracking import _use_tracking_uri
+
+    return _use_tracking_uri(uri)
+
+
+def test_the_driver_creates_the_store_with_every_artifact_location_under_the_run_dir(
+        tmp_path, monkeypatch):
+    """MLflow's own "Default" experiment used to point at ./mlruns of the first process
+    that opened the store (a Ray worker's temporary folder); the driver now creates the
+    store and the job's experiment first, both under <run-dir>/mlartifacts."""
+    from pipeline.track.tracking import prepare_store
+
+    monkeypatch.chdir(tmp_path / ".." )
+    uri = default_tracking_uri(tmp_path)
+    exp = prepare_store(uri, "lccn-train")
+    client = MlflowClient(tracking_uri=uri)
+    root = (tmp_path / "mlartifacts").as_uri()
+    assert client.get_experiment(exp).artifact_location == root
+    assert client.get_experiment("0").artifact_location.startswith(root)
+    assert prepare_store(uri, "lccn-train") == exp  # found again, not a second one

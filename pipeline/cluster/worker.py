@@ -93,7 +93,7 @@ class DistConfig:
     lr_values: learning rate of each phase between ``OptimConfig.milestones`` (len =
         milestones + 1), e.g. the paper's CIFAR 0.5/0.1/0.01; empty: ``lr`` decayed by
         ``lr_decay`` at each milestone.
-    pretrained: ImageNet weights for the backbone (``pipeline.train.models``; resnet50 only).
+    pretrained: ImageNet weights for the backbone (``pipeline.train.models``; a file or cache).
     tracking_uri / experiment: MLflow; tracking_uri None disables tracking.
     class_names: for the heat maps and the CSV.
     transition_every: log the transition heat map every n LCCN epochs (0: never).

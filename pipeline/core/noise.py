@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.core.labels import LabelView
+from pipeline.core import csvrows
 
 # CIFAR-10 class indices (standard order: airplane automobile bird cat deer dog frog horse ship
 # truck). The paper's asymmetric map: truck->automobile, bird->airplane, deer->horse, cat->dog.
@@ -462,12 +463,10 @@ def from_csv(path: str | os.PathLike, keys: Sequence[str], num_classes: int, *,
 
     obs = np.full(n, -1, np.int64)
     seen_at = np.zeros(n, np.int64)  # line number where idx was set (0 = not yet)
-    reader = csv.reader(text.splitlines())
     first = True
     header: list[str] | None = None
     try:
-        for row in reader:
-            line = reader.line_num
+        for line, row in csvrows.rows(text.splitlines(keepends=True), path, header=False):
             fields = [f.strip() for f in row]
             if not fields or fields == [""]:
                 continue
@@ -505,8 +504,8 @@ def from_csv(path: str | os.PathLike, keys: Sequence[str], num_classes: int, *,
                                  f"(first on line {seen_at[i]})")
             seen_at[i] = line
             obs[i] = label
-    except csv.Error as e:
-        raise ValueError(f"{path}:{reader.line_num}: malformed line ({e})") from None
+    except csvrows.CSVFormatError as e:  # an unterminated quote, a line csv cannot read
+        raise ValueError(str(e)) from None
 
     absent = np.flatnonzero(obs < 0)
     if absent.size:

@@ -11,7 +11,6 @@ prediction file silently missing rows is worse than none.
 
 from __future__ import annotations
 
-import csv
 import io
 import json
 import os
@@ -21,6 +20,7 @@ from pathlib import Path
 
 from PIL import Image
 
+from pipeline.core import csvrows
 from pipeline.data.manifest import Manifest
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff",
@@ -62,12 +62,12 @@ def csv_images(path: str | os.PathLike, *, mode: str = "RGB"
     """The images a CSV lists in its ``path`` column, in its order (other columns, e.g. a
     label, are ignored); relative paths from the CSV's folder."""
     path = Path(path)
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        if reader.fieldnames is None or "path" not in reader.fieldnames:
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        cols, table = csvrows.dict_rows(f, path)  # CSVFormatError (a ValueError): file:line
+        if "path" not in cols:
             raise ValueError(f"{path}:1: needs a header with a 'path' column, got "
-                             f"{reader.fieldnames}")
-        for line, row in enumerate(reader, start=2):
+                             f"{cols or None}")
+        for line, row in table:
             rel = (row.get("path") or "").strip()
             if not rel:
                 raise ValueError(f"{path}:{line}: empty path")

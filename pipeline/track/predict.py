@@ -24,6 +24,7 @@ The CSV appears only when every image was predicted (written beside, then rename
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
@@ -39,6 +40,7 @@ from torch import Tensor, nn
 
 from pipeline.data.images import input_images
 from pipeline.data.transforms import build_sample_transform, build_transform, get_preset
+from pipeline.track.tracking import _use_tracking_uri
 from pipeline.track.uris import redact_uri
 
 HEADER = ("key", "predicted", "class", "confidence")
@@ -87,10 +89,13 @@ def load_classifier(uri: str, *, tracking_uri: str | None = None) -> Any:
         return ExportedClassifier(local).eval()
     with tempfile.TemporaryDirectory(prefix="lccn-predict-") as tmp:
         try:
-            if not local.exists():  # fetched through the given store, no global MLflow state
-                local = Path(mlflow.artifacts.download_artifacts(
-                    artifact_uri=uri, dst_path=tmp,
-                    tracking_uri=tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")))
+            if not local.exists():  # fetched through the given store
+                store = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+                # runs:/<run>/model of an MLflow 3 LoggedModel is looked up through the
+                # global tracking URI, whatever tracking_uri says: set it for the call
+                with (_use_tracking_uri(store) if store else contextlib.nullcontext()):
+                    local = Path(mlflow.artifacts.download_artifacts(
+                        artifact_uri=uri, dst_path=tmp, tracking_uri=store))
             if not (local / "MLmodel").is_file():
                 raise FileNotFoundError(f"{local}: no MLmodel file (not a saved MLflow model)")
             model = mlflow.pytorch.load_model(str(local.resolve()), map_location="cpu")

@@ -25,6 +25,7 @@ Conventions: ``phi[k, j] = P(observed = j | latent = k)``; rows sum to 1; shape
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import logging
@@ -194,6 +195,29 @@ def write_transition_csv(path: str | os.PathLike, phi, *,
     return path
 
 
+@contextlib.contextmanager
+def _use_tracking_uri(uri: str):
+    """MLflow's global tracking URI set to ``uri`` for the block, then put back (the fluent
+    calls ``mlflow.pytorch.log_model`` and ``mlflow.register_model`` read it)."""
+    from mlflow.tracking._tracking_service.utils import _use_tracking_uri as use
+
+    with use(uri):
+        yield
+
+
+@contextlib.contextmanager
+def _env(**values: str | None):
+    """Environment variables set (None: removed) for the block, then put back."""
+    old = {k: os.environ.get(k) for k in values}
+    try:
+        for k, v in values.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, str(v))
+        yield
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
 def _chunks(items: list, size: int):
     for s in range(0, len(items), size):
         yield items[s:s + size]
@@ -231,6 +255,7 @@ class Tracker:
         self.client = MlflowClient(tracking_uri=self.tracking_uri)
         self.dropped: dict[str, int] = {}
         self.resumed = False
+        self.model_id: str | None = None  # the LoggedModel of log_model
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -396,13 +421,15 @@ class Tracker:
         return rows, drawn
 
     def log_model(self, model: Any, example: Any, *, name: str = "model") -> str:
-        """``model`` saved with ``mlflow.pytorch.save_model`` as the run's artifact folder
-        ``name``, with the signature of ``model(example)`` (``example``: a small input
-        tensor) and the project's ``pipeline`` package beside it (the networks' classes), so
-        that ``mlflow.pytorch.load_model("runs:/<run id>/<name>")`` rebuilds it anywhere the
-        requirements are installed. Through this tracker's client only: MLflow's global
-        tracking URI (and ``$MLFLOW_TRACKING_URI``, which setting it writes) stay as they
-        were. Returns that model URI."""
+        """``model`` logged as an MLflow 3 LoggedModel ``name`` of this run
+        (``mlflow.pytorch.log_model(..., name=name, run_id=...)``: found by
+        ``mlflow.search_logged_models``, linked to the run as its output), with the
+        signature of ``model(example)`` (``example``: a small input tensor), the first image
+        of ``example`` as its input example, and the project's ``pipeline`` package beside
+        it (the networks' classes), so that ``mlflow.pytorch.load_model`` of the returned
+        ``models:/<model id>`` URI, or of ``runs:/<run id>/<name>``, rebuilds it anywhere
+        the requirements are installed. MLflow's global tracking URI is this tracker's only
+        for the call. Returns the ``runs:/`` URI; :attr:`model_id` is the model's id."""
         import mlflow
         import mlflow.pytorch
         import torch
@@ -413,15 +440,19 @@ class Tracker:
             out = model(example)
         signature = infer_signature(example.cpu().numpy(), out.cpu().numpy())
         code = str(Path(__file__).resolve().parents[1])   # the pipeline package
-        with tempfile.TemporaryDirectory(prefix="lccn-model-") as tmp:
-            path = Path(tmp) / name
-            mlflow.pytorch.save_model(
-                model, str(path), signature=signature, code_paths=[code],
+        # the LoggedModel goes to the run's experiment: without an active run MLflow takes
+        # the experiment from the environment (else it would be "Default")
+        with _env(MLFLOW_EXPERIMENT_ID=self.experiment_id,
+                  MLFLOW_TRACKING_URI=os.environ.get("MLFLOW_TRACKING_URI")), \
+                _use_tracking_uri(self.tracking_uri):
+            info = mlflow.pytorch.log_model(
+                model, name=name, run_id=self.run_id, signature=signature,
+                input_example=example[:1].cpu().numpy(), code_paths=[code],
                 serialization_format="pickle",   # any batch size; the classes in code_paths
                 pip_requirements=[f"torch=={torch.__version__.split('+')[0]}",
                                   f"mlflow=={mlflow.__version__}"])
-            self.client.log_artifacts(self.run_id, str(path), artifact_path=name)
-        return f"runs:/{self.run_id}/{name}"
+        self.model_id = info.model_id
+        return f"runs:/{self.run_id}/{name}"  # = info.model_uri, models:/<model id>
 
     def log_file(self, path: str | os.PathLike, *, artifact_path: str | None = None) -> None:
         """One file as an artifact of the run (e.g. LCCN*'s ``outliers.csv``)."""
@@ -443,3 +474,85 @@ class Tracker:
                 self.client.log_artifact(self.run_id, str(path))
         if checkpoint_dir is not None:
             self.client.log_artifacts(self.run_id, str(checkpoint_dir), artifact_path="checkpoint")
+
+
+# -- the job's driver: the store before the run, the run's links after it ----------------------
+
+
+def sqlite_artifact_root(tracking_uri: str) -> str | None:
+    """``<db dir>/mlartifacts`` as a file URI for a ``sqlite:///`` store (where every
+    experiment of the store keeps its artifacts), else None (a server decides)."""
+    if not tracking_uri.startswith("sqlite:///"):
+        return None
+    db = tracking_uri[len("sqlite:///"):]
+    if not db or db == ":memory:":
+        return None
+    return (Path(db).resolve().parent / "mlartifacts").as_uri()
+
+
+def prepare_store(tracking_uri: str, experiment: str) -> str:
+    """On a job's driver, before any worker starts: a ``sqlite:///`` store created with its
+    artifact root beside the database (MLflow's own "Default" experiment included, which
+    would otherwise point at ``./mlruns`` of the first process to open the store: a Ray
+    worker's temporary directory, gone after a restart), and the job's experiment created
+    (or found) there with that root. Returns the experiment's id."""
+    root = sqlite_artifact_root(tracking_uri)
+    if root is not None:
+        from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+        SqlAlchemyStore(tracking_uri, root)  # creates the tables and "Default" at root
+    return Tracker(tracking_uri=tracking_uri, experiment=experiment,
+                   run_name="-")._experiment_id()
+
+
+UI_QUERY = "?workflowType=machine_learning"  # MLflow 3's UI otherwise opens the GenAI view
+
+
+def ui_links(tracking_uri: str, experiment_id: str, run_id: str | None = None,
+             model_id: str | None = None) -> dict[str, str]:
+    """The MLflow UI pages of an experiment's runs table, a run and a logged model, with
+    ``?workflowType=machine_learning``; for a server, under its URL, otherwise under the
+    ``mlflow ui`` a user starts (``http://127.0.0.1:5000``). ``command``: that ``mlflow ui``
+    command line (a local store only)."""
+    server = tracking_uri.startswith(("http://", "https://"))
+    base = redact_uri(tracking_uri).rstrip("/") if server else "http://127.0.0.1:5000"
+    exp = f"{base}/#/experiments/{experiment_id}"
+    links = {"experiment": f"{exp}/runs{UI_QUERY}"}
+    if run_id:
+        links["run"] = f"{exp}/runs/{run_id}{UI_QUERY}"
+    if model_id:
+        links["model"] = f"{exp}/models/{model_id}{UI_QUERY}"
+    if not server:
+        links["command"] = f"mlflow ui --backend-store-uri {redact_uri(tracking_uri)}"
+    return links
+
+
+def log_dataset(client: MlflowClient, run_id: str, *, source: str, digest: str, name: str,
+                context: str = "training", num_samples: int | None = None) -> None:
+    """The run's training data as an MLflow dataset input (the runs table's Dataset
+    column): ``name`` (the split and its label view), ``digest`` (of its manifest),
+    ``source`` (the shards' URI or path)."""
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.entities import DatasetInput, InputTag
+    from mlflow.types import ColSpec, Schema
+
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "can be interpreted in multiple ways"
+        src = resolve_dataset_source(source)
+    schema = Schema([ColSpec("binary", "image"), ColSpec("long", "label")])
+    ds = MetaDataset(source=src, name=name, digest=digest, schema=schema)
+    entity = ds._to_mlflow_entity()
+    if num_samples is not None:
+        import json
+
+        from mlflow.entities import Dataset
+
+        entity = Dataset(name=entity.name, digest=entity.digest,
+                         source_type=entity.source_type, source=entity.source,
+                         schema=entity.schema,
+                         profile=json.dumps({"num_rows": int(num_samples)}))
+    client.log_inputs(run_id, datasets=[DatasetInput(
+        dataset=entity, tags=[InputTag("mlflow.data.context", context)])])

@@ -670,7 +670,8 @@ class Engine:
                final: bool, checkpoint_dir: str | None) -> None:
         """Rank 0, at a moment: an epoch end's metrics (step = the epoch) and transition
         heat map; at the run's end the curves, ``transition.csv`` (methods with a transition)
-        and the final checkpoint under ``checkpoint/``."""
+        and the classifier as a LoggedModel (not the checkpoint: ``checkpoint_dir`` is the
+        one Ray Train keeps under the run dir)."""
         tracker, t = self.tracker, self.options.tracking
         if tracker is None or batch != 0:
             return
@@ -683,8 +684,9 @@ class Engine:
                                    class_names=list(t.class_names) or None)
         if final:
             tracker.log_curves(self.history)
-            tracker.log_final(phi, checkpoint_dir=checkpoint_dir,
-                              class_names=list(t.class_names) or None)
+            # the checkpoint itself stays in the run dir (Ray Train's storage): the job's
+            # driver tags the run with its path (docs/operations.md, "Where checkpoints live")
+            tracker.log_final(phi, class_names=list(t.class_names) or None)
             example = self._example_images() if self.options.log_model else None
             if example is not None:
                 self.model_uri = tracker.log_model(self.predictor(), example)

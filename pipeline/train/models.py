@@ -424,6 +424,46 @@ def _timm_model(name: str, num_classes: int, in_channels: int, pretrained: bool,
                              **kwargs)
 
 
+def pretrained_weights_problem(name: str, weights: str | None) -> str | None:
+    """Why :func:`build_model` ``(name, pretrained=True, weights=weights)`` would fail for
+    want of weights, checked without building anything (a job's driver, before Ray starts
+    and before any data is converted); None when the weights are there (a file, timm's local
+    Hugging Face cache, the torch hub cache for ``resnet50``) or on remote storage (read by
+    the workers). The line names ``--no-pretrained`` and the fetch command."""
+    try:
+        family, model = resolve_name(name)
+    except ValueError as e:
+        return str(e)
+    fetch = f"`python -m pipeline.train.models fetch {name} --out DIR`"
+    scratch = "or train from scratch with --no-pretrained"
+    if weights is not None:
+        if "://" in str(weights) or Path(weights).is_file():
+            return None
+        return (f"--weights {weights}: no such file (write it once, on a machine with the "
+                f"network, with {fetch}), {scratch}")
+    if family == "ours":
+        if model != "resnet50":
+            return f"--model {name} has no pretrained weights: add --no-pretrained"
+        from torchvision.models import ResNet50_Weights
+
+        path = _torch_hub_checkpoint(ResNet50_Weights.IMAGENET1K_V1.url)
+        if path.is_file():
+            return None
+        return (f"--model resnet50 with ImageNet weights (--pretrained) reads them from the "
+                f"torch hub cache, but {path} does not exist: put them there once with "
+                f"`python -m pipeline.train.models fetch resnet50` (on a machine with the "
+                f"network; TORCH_HOME moves the cache), {scratch}")
+    if family == "timm" and _timm_cached_file(model) is not None:
+        return None
+    safe = model.replace("/", "_")
+    where = ("timm's local Hugging Face cache ($HF_HOME/hub) does not hold them either"
+             if family == "timm" else "a torchvision backbone reads them from a file only")
+    return (f"--model {name} with ImageNet weights (--pretrained) needs --weights FILE, and "
+            f"{where}: write the file once, on a machine with the network, with {fetch} "
+            f"(it writes DIR/{family}-{safe}.pth) and pass --weights DIR/{family}-{safe}.pth, "
+            f"{scratch}")
+
+
 def _timm_cached_file(name: str) -> str | None:
     """The file of timm model ``name``'s default pretrained weights in the local Hugging
     Face cache (``huggingface_hub.try_to_load_from_cache``: no network), or None."""
