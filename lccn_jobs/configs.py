@@ -21,6 +21,7 @@ from pipeline.core.options import FLAGS, apply_point, dest, options_point, value
 from pipeline.data.manifest import Manifest
 from pipeline.data.stream import plan_epoch
 from pipeline.train.methods import get_method
+from pipeline.train.models import pretrained_weights_problem
 
 # the recipe options (dest names): the config flags whose default is the recipe's, and the
 # recipe's two values outside the RunConfig
@@ -132,8 +133,6 @@ def check_pretrained(cfg: JobConfig, *, smoke: bool = False) -> None:
     (SystemExit) instead of failed workers."""
     if smoke or not cfg.pretrained:
         return
-    from pipeline.train.models import pretrained_weights_problem
-
     problem = pretrained_weights_problem(cfg.run.model.name, cfg.run.model.weights)
     if problem:
         raise SystemExit(f"error: {problem}")

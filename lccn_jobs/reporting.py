@@ -18,7 +18,9 @@ from pipeline.core import storage
 from pipeline.core.config import json_safe
 from pipeline.core.labels import LabelView
 from pipeline.core.noise import format_transition
+from pipeline.data.stream import LoaderConfig, load_manifest
 from pipeline.track.label_issues import job_report
+from pipeline.track.tracking import _use_tracking_uri, log_dataset, ui_links
 from pipeline.track.uris import redact_uri
 from pipeline.train.export import EXPORT_META
 from pipeline.train.engine import final_export_path, select_epoch
@@ -109,9 +111,6 @@ def mlflow_after_run(summary: dict[str, Any], *, dist: DistConfig, view: LabelVi
     import hashlib
 
     from mlflow import MlflowClient
-
-    from pipeline.data.stream import LoaderConfig, load_manifest
-    from pipeline.track.tracking import _use_tracking_uri, log_dataset, ui_links
 
     client = MlflowClient(tracking_uri=dist.tracking_uri)
     run = client.get_run(run_id)

@@ -825,9 +825,12 @@ def test_mlflow_run_holds_metrics_figures_and_checkpoint(chaos_run, tmp_path):
     # the checkpoint is referenced (the driver's tag), not copied into MLflow
     assert run.data.tags["lccn.checkpoint"] == str(s["checkpoint"])
     # the classifier records what lccn-predict needs: the run's transform and class names
-    local = mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="model",
-                                                tracking_uri=s["tracking_uri"],
-                                                dst_path=str(tmp_path))
+    from pipeline.track.tracking import _use_tracking_uri
+
+    with _use_tracking_uri(s["tracking_uri"]):  # a LoggedModel's runs:/ reads the global URI
+        local = mlflow.artifacts.download_artifacts(
+            artifact_uri=f"runs:/{run.info.run_id}/model", tracking_uri=s["tracking_uri"],
+            dst_path=str(tmp_path))
     model = mlflow.pytorch.load_model(local)
     assert model.preset == "digits" and model.class_names == tuple(str(d) for d in range(10))
 

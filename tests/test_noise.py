@@ -318,7 +318,7 @@ def test_from_csv_round_trip(tmp_path, keys):
     ("k0,1\nk1,-1\n", 2, "outside"),
     ("k0,1\nk1,2\nnope,3\n", 3, "not a sample of this split"),
     ("key,label\nk0,1\nk1,2\nk0,3\n", 4, r"listed twice \(first on line 2\)"),
-    ('k0,1\n"k1,2\n', 2, "malformed line"),
+    ('k0,1\n"k1,2\n', 2, "a quote opened on line 2 is never closed"),
 ])
 def test_from_csv_errors_name_file_and_line(tmp_path, body, line, match):
     path = tmp_path / "bad.csv"

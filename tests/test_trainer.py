@@ -282,9 +282,14 @@ def test_lccn_star_exports_p_outlier_that_ranks_planted_outliers_first(tmp_path)
 
     assert trainer.engine.model_uri == f"runs:/{run_id}/model"
     assert "MLFLOW_TRACKING_URI" not in os.environ   # no global MLflow state left behind
-    local = mlflow.artifacts.download_artifacts(run_id=run_id, artifact_path="model",
-                                                tracking_uri=uri, dst_path=str(tmp_path / "m"))
-    info = mlflow.models.get_model_info(local)
+    from pipeline.track.tracking import _use_tracking_uri
+
+    with _use_tracking_uri(uri):  # a LoggedModel is looked up through the global URI
+        local = mlflow.artifacts.download_artifacts(artifact_uri=f"runs:/{run_id}/model",
+                                                    tracking_uri=uri,
+                                                    dst_path=str(tmp_path / "m"))
+        info = mlflow.models.get_model_info(local)
+    assert "MLFLOW_TRACKING_URI" not in os.environ
     spec = info.signature.inputs.to_dict()[0]["tensor-spec"]
     assert tuple(spec["shape"]) == (-1, 1, 8, 8)
     assert tuple(info.signature.outputs.to_dict()[0]["tensor-spec"]["shape"]) == (-1, 10)
