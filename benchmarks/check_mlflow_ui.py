@@ -10,7 +10,7 @@ screenshot). Each page must show what it is for:
 - the runs table: the run's name and its dataset input;
 - the run: its name, parameters;
 - the metric charts: ``test_top1`` and ``val_top1``;
-- the artifacts: the transition heat maps (``transition/``);
+- the artifacts: the transition heat maps (``transitions/``), and the last one previewed;
 - the logged model: its name and the run it came from.
 
 Needs Chromium (``apt-get install chromium``; ``--browser PATH`` for another binary).
@@ -25,6 +25,7 @@ FAIL. Not part of the test suite (it needs a browser the CI machine does not hav
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -92,11 +93,12 @@ def make_images(out: Path, per_class: int, seed: int) -> Path:
     return out
 
 
-def render(browser: str, url: str, png: Path, wait_ms: int) -> str:
-    """The page's DOM after its scripts ran (and a screenshot beside it)."""
+def render(browser: str, url: str, png: Path, wait_ms: int, height: int = 1000) -> str:
+    """The page's DOM after its scripts ran (and a screenshot beside it); ``height``: the
+    window's (the metric charts are a virtualised grid: only charts in view render)."""
     base = [browser, "--headless=new", "--no-sandbox", "--disable-gpu",
             "--disable-dev-shm-usage", f"--virtual-time-budget={wait_ms}",
-            "--window-size=1600,1000"]
+            f"--window-size=1600,{height}"]
     subprocess.run(base + [f"--screenshot={png}", url], capture_output=True, timeout=180)
     dom = subprocess.run(base + ["--dump-dom", url], capture_output=True, text=True,
                          timeout=180)
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--browser", default=shutil.which("chromium") or shutil.which("chromium-browser")
                    or shutil.which("google-chrome"))
     p.add_argument("--per-class", type=int, default=40)
-    p.add_argument("--wait-ms", type=int, default=20000,
+    p.add_argument("--wait-ms", type=int, default=60000,
                    help="virtual time the browser gives each page's scripts")
     args = p.parse_args(argv)
     if not args.browser:
@@ -146,18 +148,32 @@ def main(argv: list[str] | None = None) -> int:
             "metric charts": (f"{base}/model-metrics?{query}", ["test_top1", "val_top1"]),
             "artifacts": (f"{base}/artifacts?{query}", ["transition"]),
         }
+        run_id = base.rsplit("/", 1)[-1]
+        with urllib.request.urlopen(f"{uri}/api/2.0/mlflow/artifacts/list?run_id={run_id}"
+                                    f"&path=transitions", timeout=30) as r:
+            maps = sorted(f["path"] for f in json.load(r).get("files", [])
+                          if f["path"].endswith(".png"))
+        if maps:  # the last epoch's transition heat map, previewed
+            pages["heat map"] = (f"{base}/artifacts/{maps[-1]}?{query}",
+                                 [maps[-1].rsplit("/", 1)[-1], "<img"])
         if "model" in urls:
             pages["logged model"] = (urls["model"], ["model", "ui-check"])
         failed = 0
         for name, (url, want) in pages.items():
             stem = name.replace(" ", "_")
-            dom = render(args.browser, url, args.out / f"{stem}.png", args.wait_ms)
+            for attempt in range(3):  # the charts render lazily: a slow load is tried again
+                dom = render(args.browser, url, args.out / f"{stem}.png",
+                             args.wait_ms * (attempt + 1),
+                             height=7000 if name == "metric charts" else 1000)
+                missing = [w for w in want if w not in dom]
+                if not missing:
+                    break
             (args.out / f"{stem}.html").write_text(dom)
-            missing = [w for w in want if w not in dom]
             failed += bool(missing)
             print(f"{'PASS' if not missing else 'FAIL'}  {name:14s} {url}"
                   + (f"  missing: {missing}" if missing else "")
-                  + f"  ({len(dom):,} bytes of DOM; {args.out / (stem + '.png')})")
+                  + f"  ({len(dom):,} bytes of DOM, try {attempt + 1}; "
+                    f"{args.out / (stem + '.png')})")
         return 1 if failed else 0
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
