@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -84,6 +84,22 @@ def noise_floor(phi: Tensor, latent_hist: Tensor) -> float:
     return float((pi * rows).sum())
 
 
+def _watched(history: Sequence[Mapping[str, float]], first_epoch: int
+             ) -> Iterator[Mapping[str, float]]:
+    """The rows a memorisation trigger watches: from ``first_epoch`` on, those whose
+    learning rate is below that of the first such row (at the phase's first rate the
+    held-out figures swing from one epoch to the next with no trend)."""
+    lr0: float | None = None
+    for r in history:
+        if int(r.get("epoch", -1)) < first_epoch:
+            continue
+        lr = float(r.get("lr", math.nan))
+        if lr0 is None:
+            lr0 = lr
+        if lr < lr0 * (1 - 1e-6):
+            yield r
+
+
 def memorisation_epoch(history: Sequence[Mapping[str, float]], *, first_epoch: int,
                        drop: float, patience: int) -> int | None:
     """The epoch at whose end the noisy validation accuracy says the classifier is
@@ -96,16 +112,8 @@ def memorisation_epoch(history: Sequence[Mapping[str, float]], *, first_epoch: i
     ``patience``-th consecutive watched epoch more than ``drop`` below the best
     ``val_top1`` of the watched epochs before it. NaN accuracies (no validation split)
     never count."""
-    lr0: float | None = None
     best, below = -math.inf, 0
-    for r in history:
-        if int(r.get("epoch", -1)) < first_epoch:
-            continue
-        lr = float(r.get("lr", math.nan))
-        if lr0 is None:
-            lr0 = lr
-        if not lr < lr0 * (1 - 1e-6):
-            continue
+    for r in _watched(history, first_epoch):
         val = float(r.get("val_top1", math.nan))
         if math.isnan(val):
             below = 0
@@ -138,16 +146,8 @@ def overfit_epoch(history: Sequence[Mapping[str, float]], *, first_epoch: int,
     same distribution on images never trained on does not, so what is learned is the
     training images' own labels. No estimate of the noise enters. NaN losses (no
     validation split) never count."""
-    lr0: float | None = None
     low: tuple[float, float] | None = None  # (held-out, training) loss at the lowest held-out
-    for r in history:
-        if int(r.get("epoch", -1)) < first_epoch:
-            continue
-        lr = float(r.get("lr", math.nan))
-        if lr0 is None:
-            lr0 = lr
-        if not lr < lr0 * (1 - 1e-6):
-            continue
+    for r in _watched(history, first_epoch):
         held, fit = float(r.get("val_observed_loss", math.nan)), float(r.get("observed_loss",
                                                                            math.nan))
         scale = float(r.get("label_entropy", math.nan))
