@@ -326,15 +326,27 @@ def decide(p_observed: np.ndarray, p_best: np.ndarray, p_outlier: np.ndarray, *,
     ``noise_rate``, the estimated share of wrong labels (the image and its label make this
     one more suspect than a label drawn at random: the likelihood ratio of "wrong" is
     above 1); ``relabel`` where the other class is more probable than the observed label
-    (changing it is expected to make it right more often than keeping it: a positive
-    expected gain ``p_best' - p_observed'``)."""
+    both as the chain reads it and with the shift (changing it is expected to make it
+    right more often than keeping it, a positive expected gain ``p_best' - p_observed'``,
+    under either reading).
+
+    The shift corrects the posteriors' mean, the share of right labels they imply, and
+    not where that correction belongs: a log-odds move common to every sample lowers the
+    observed label most where the chain was unsure, while the excess confidence it
+    removes sits on the samples the classifier has fitted. So the shift may veto a
+    relabel the chain's own posterior supports (``shift > 0``: the training posteriors
+    imply more noise than the held-out split allows, as after a collapse of the chain)
+    but never makes one: the threshold
+    on ``p_best / p_observed`` (chain) is ``max(1, e^shift)``. On the posteriors of
+    memorising runs, relabelling where only the shifted posterior favoured the other
+    class made the labels worse."""
     p = np.asarray(p_observed, dtype=np.float64)
     e = np.exp(shift)
     z = 1 - p + e * p
-    po, pb, pk = e * p / z, np.asarray(p_best, np.float64) / z, np.asarray(p_outlier,
-                                                                            np.float64) / z
+    p_best = np.asarray(p_best, np.float64)
+    po, pb, pk = e * p / z, p_best / z, np.asarray(p_outlier, np.float64) / z
     wrong = 1 - po - pk
-    return po, pb, wrong > noise_rate, pb > po
+    return po, pb, wrong > noise_rate, p_best > max(1.0, e) * p
 
 
 def cleanlab_ranking(probs: np.ndarray, observed: np.ndarray, idx: np.ndarray, *,
