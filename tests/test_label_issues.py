@@ -391,3 +391,24 @@ def test_confident_joint_accuracy_reads_a_sure_classifiers_disagreements_as_nois
     assert confident_joint_accuracy(worse, observed) < right - 0.2
     # a class without a held-out label: no estimate
     assert np.isnan(confident_joint_accuracy(probs[observed != 3], observed[observed != 3]))
+
+
+def test_the_heldout_shift_can_veto_a_relabel_but_not_make_one():
+    """``decide``: the shifted posteriors (their mean matched to the held-out estimate)
+    flag and estimate; a label is relabelled only where the chain's own posterior favours
+    the other class too, and a positive shift can still hold one back."""
+    p_obs = np.array([0.20, 0.40, 0.45, 0.60, 0.90])
+    p_best = np.array([0.70, 0.50, 0.35, 0.30, 0.05])
+    none = np.zeros(5)
+    _, _, _, raw = li.decide(p_obs, p_best, none, shift=0.0, noise_rate=0.5)
+    assert raw.tolist() == [True, True, False, False, False]
+    # a strong negative shift makes the other class the more probable in rows 3-4 of the
+    # shifted posteriors, and it lowers their estimated accuracy, but relabels nothing more
+    po, pb, flagged, rel = li.decide(p_obs, p_best, none, shift=-2.0, noise_rate=0.5)
+    assert (pb > po).tolist() == [True, True, True, True, False]
+    assert rel.tolist() == raw.tolist() and flagged[:4].all()
+    assert po.mean() < p_obs.mean()
+    # a positive shift (the chain implies more noise than the held-out split allows) vetoes
+    # row 1, where the observed label was a close second
+    po, pb, _, rel = li.decide(p_obs, p_best, none, shift=0.5, noise_rate=0.5)
+    assert rel.tolist() == [True, False, False, False, False] == (pb > po).tolist()

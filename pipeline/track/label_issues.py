@@ -471,7 +471,7 @@ class LabelIssueReport:
         ``p_suggested``, ``p_observed`` (their calibrated mean Eq. 7 posteriors),
         ``p_outlier`` (LCCN*), ``flagged`` (1: the label is probably wrong; the sample is
         in mislabelled.csv), ``relabel`` (1: ``suggested`` is more probable than the
-        observed label) and ``cleaned`` (``suggested`` where ``relabel``, else
+        observed label, as the chain reads it and after the held-out correction) and ``cleaned`` (``suggested`` where ``relabel``, else
         ``observed``). Written row by row (2.4M rows: about 10 s)."""
         r, o = self.mislabelled, self.outliers
         head = ["idx", "key", "observed", "suggested", "p_suggested", "p_observed"]
