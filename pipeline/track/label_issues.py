@@ -336,10 +336,9 @@ def decide(p_observed: np.ndarray, p_best: np.ndarray, p_outlier: np.ndarray, *,
     removes sits on the samples the classifier has fitted. So the shift may veto a
     relabel the chain's own posterior supports (``shift > 0``: the training posteriors
     imply more noise than the held-out split allows, as after a collapse of the chain)
-    but never makes one: the threshold
-    on ``p_best / p_observed`` (chain) is ``max(1, e^shift)``. On the posteriors of
-    memorising runs, relabelling where only the shifted posterior favoured the other
-    class made the labels worse."""
+    but never makes one: the threshold on ``p_best / p_observed`` (chain) is
+    ``max(1, e^shift)``. On the posteriors of memorising runs, relabelling where only the
+    shifted posterior favoured the other class made the labels worse."""
     p = np.asarray(p_observed, dtype=np.float64)
     e = np.exp(shift)
     z = 1 - p + e * p
@@ -471,8 +470,9 @@ class LabelIssueReport:
         ``p_suggested``, ``p_observed`` (their calibrated mean Eq. 7 posteriors),
         ``p_outlier`` (LCCN*), ``flagged`` (1: the label is probably wrong; the sample is
         in mislabelled.csv), ``relabel`` (1: ``suggested`` is more probable than the
-        observed label, as the chain reads it and after the held-out correction) and ``cleaned`` (``suggested`` where ``relabel``, else
-        ``observed``). Written row by row (2.4M rows: about 10 s)."""
+        observed label, as the chain reads it and after the held-out correction) and
+        ``cleaned`` (``suggested`` where ``relabel``, else ``observed``). Written row by
+        row (2.4M rows: about 10 s)."""
         r, o = self.mislabelled, self.outliers
         head = ["idx", "key", "observed", "suggested", "p_suggested", "p_observed"]
         head += ["p_outlier"] if o is not None else []
