@@ -822,10 +822,10 @@ def test_after_the_floor_guard_eq7_reads_a_frozen_copy_of_the_classifier(monkeyp
 
 
 def test_the_teacher_is_the_network_of_the_best_noisy_validation_epoch_so_far(monkeypatch):
-    """LCCNConfig.teacher "best" (default): Eq. 7 reads the network being trained while the
-    epoch just ended holds the best noisy validation accuracy so far, else a copy of the
-    weights after that best epoch (its eval-mode probabilities), re-made when a later epoch
-    beats it; the later of two equal epochs wins. Scripted accuracies (the epoch being
+    """LCCNConfig.teacher "best" (the default is "live"): Eq. 7 reads the network being
+    trained while the epoch just ended holds the best noisy validation accuracy so far, else
+    a copy of the weights after that best epoch (its eval-mode probabilities), re-made when a
+    later epoch beats it; the later of two equal epochs wins. Scripted accuracies (the epoch being
     scored): 0.50 (CE), 0.60, 0.55, 0.58, 0.60, 0.62, 0.61."""
     from pipeline.train.engine import Engine
     from pipeline.train.labeler import GibbsLabeler
@@ -846,9 +846,9 @@ def test_the_teacher_is_the_network_of_the_best_noisy_validation_epoch_so_far(mo
     monkeypatch.setattr(GibbsLabeler, "sample", recording_sample)
     xtr, ytr, xte, yte = _digits()
     view = pair_flip(ytr, 10, CIFAR10_ASYM_MAP, 0.4, seed=0)
-    cfg = replace(_short_cfg(), val_fraction=0.1,
+    assert LCCNConfig().teacher == "live"
+    cfg = replace(_short_cfg(teacher="best"), val_fraction=0.1,
                   optim=OptimConfig(epochs=7, pretrain_epochs=1, batch_size=64, lr=0.05))
-    assert cfg.lccn.teacher == "best"
     trainer = LocalTrainer(cfg, TensorData(xtr, view), TensorData(xte, clean_view(yte)))
     holder["trainer"] = trainer
     method = trainer.method
@@ -905,13 +905,16 @@ def test_the_guard_stays_off_on_a_run_that_does_not_memorise(capsys):
     assert "memorisation guard" not in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("teacher", ["live", "best"])
 def test_the_rise_trigger_switches_targets_and_prior_and_keeps_the_teacher(monkeypatch,
-                                                                            capsys):
+                                                                            capsys, teacher):
     """LCCNConfig.guard_rise (default 0.05): the first epoch after the lr decay whose held-out
     loss of the observed labels is above its lowest with the gap to the training loss
     widened by more than 0.05 x H(observed) since switches the rest of the run to sampled
-    targets and the anchored prior; the teacher goes on choosing by noisy validation
-    accuracy. Scripted held-out losses; the training pass is real (its loss falls)."""
+    targets and the anchored prior. The best-epoch teacher goes on choosing by noisy
+    validation accuracy; the live one (default) is replaced by a frozen copy of the best
+    noisy-validation epoch before the switch, and the epoch rows name that epoch. Scripted
+    held-out losses; the training pass is real (its loss falls)."""
     from pipeline.train.engine import Engine
 
     held = [2.0, 1.5, 1.6, 1.2, 1.19, 1.35, 1.4, 1.4]     # by epoch scored; lr decays at 3
@@ -920,7 +923,7 @@ def test_the_rise_trigger_switches_targets_and_prior_and_keeps_the_teacher(monke
         "top1": top1[len(self.history)], "nll": 1.0, "nll_plain": held[len(self.history)]})
     xtr, ytr, xte, yte = _digits()
     view = pair_flip(ytr, 10, CIFAR10_ASYM_MAP, 0.4, seed=0)
-    cfg = replace(_short_cfg(), val_fraction=0.1,
+    cfg = replace(_short_cfg(teacher=teacher), val_fraction=0.1,
                   optim=OptimConfig(epochs=8, pretrain_epochs=1, batch_size=64, lr=0.05,
                                     milestones=(3,)))
     trainer = LocalTrainer(cfg, TensorData(xtr, view), TensorData(xte, clean_view(yte)))
@@ -933,7 +936,8 @@ def test_the_rise_trigger_switches_targets_and_prior_and_keeps_the_teacher(monke
     assert method.guarded_at == 5 and method.labeler.cfg.targets == "sample"
     n_counted = int(method.labeler.counts.sum())
     torch.testing.assert_close(method.labeler.alpha, 1.0 + n_counted / 10 * method.phi_init)
-    assert [r["teacher_epoch"] for r in rows] == [-1, -1, -1, 1, -1, -1, 4, 4]
+    assert [r["teacher_epoch"] for r in rows] == (
+        [-1, -1, -1, 1, -1, -1, 4, 4] if teacher == "best" else [-1] * 6 + [4, 4])
     out = capsys.readouterr().out
     assert ("memorisation guard: the held-out loss of the observed labels stopped falling "
             "while its gap to the training loss widened by more than 0.05 x their entropy "

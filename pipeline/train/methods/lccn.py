@@ -185,7 +185,8 @@ class LCCN(Method):
         # epoch row looked at (a run resumed within an epoch does not look at it again)
         self._best: dict[str, Any] = {"val": float("-inf"), "seen": -1, "epoch": None,
                                       "weights": None}
-        # teacher="best": the best epoch whose copy sampler_model holds (None: the live one)
+        # the epoch whose copy sampler_model holds (teacher="best", or a guard's frozen
+        # sampler; None: the live network, or a frozen copy of no validated epoch)
         self._teacher_epoch: int | None = None
         self._guard_ranks = 0.0  # the ranks switched (all agree: 0 or the world size)
         self.phi_init: Tensor | None = None
@@ -306,6 +307,7 @@ class LCCN(Method):
                               f"accuracy so far)" if saved is not None else "this epoch's start")
             self.sampler_bare, self.sampler_model = self.engine.frozen_copy(
                 self.members[0], saved)
+            self._teacher_epoch = self._best["epoch"] if saved is not None else None
             self._saved_sampler = None
             self._best["weights"] = None
         if self.labeler is not None:
