@@ -30,6 +30,10 @@ class Recipe:
     lr_values: learning rate per phase between ``optim.milestones`` (empty: ``optim.lr``
         decayed by ``optim.lr_decay`` at each milestone): the jobs' ``--lr-values``.
     pretrained: ImageNet weights for the backbone: the jobs' ``--pretrained``.
+    scratch_pretrain_share: with ``pretrained`` and a backbone trained from scratch
+        (``--no-pretrained``), this share of the epochs are the cross-entropy warm-up instead
+        of ``optim.pretrain_epochs`` (unless ``--pretrain-epochs`` is given): a network from
+        scratch is still learning fast after the few epochs an ImageNet one needs.
     note: what a user should know of it; source: where the numbers come from.
     """
 
@@ -38,6 +42,7 @@ class Recipe:
     transform: str
     lr_values: tuple[float, ...] = ()
     pretrained: bool = False
+    scratch_pretrain_share: float | None = None
     note: str = ""
     source: str = ""
 
@@ -104,8 +109,9 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
         "model.name": "resnet50", "optim.batch_size": 64, "optim.lr": 0.01, "optim.epochs": 30,
         "optim.pretrain_epochs": 3, "optim.weight_decay": 5e-4, "optim.milestones": (20,),
         **_NORM_WD, "lccn.warmup_steps": 0, "lccn.warmup": "anchor"},
+        scratch_pretrain_share=1 / 3,
         note="the job sets the warm-up to half the noise phase's steps unless "
-             "--warmup-steps is given",
+             "--warmup-steps is given; with --no-pretrained a third of the epochs are CE",
         source="ours (jobs/train.py, one's own images)"),
     # the quickstart: scikit-learn digits, small CNN on the CPU
     # targets "sample": on 1,257 digits a small CNN memorises the noisy labels, and the

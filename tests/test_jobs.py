@@ -309,6 +309,27 @@ def test_the_preset_note_says_when_the_command_line_changed_the_schedule():
            "preset itself: the first 40 epochs" in log
 
 
+def test_own_images_from_scratch_warm_up_for_a_third_of_the_run():
+    """The images recipe's 3 CE epochs are for an ImageNet backbone; with --no-pretrained a
+    third of the epochs are CE unless --pretrain-epochs is given, and the job says so."""
+    from lccn_jobs.own_images import JOB as own_images
+
+    def run(*extra):
+        args = own_images.get_args_parser().parse_args(
+            ["--images", "/x", "--model", "cnn_wide", "--run-dir", "/tmp/x", *extra])
+        cfg, log = prepare(args, job="train", dataset="images")
+        return cfg.run.optim.epochs, cfg.run.optim.pretrain_epochs, "\n".join(log)
+
+    assert run()[:2] == (30, 3)
+    epochs, pre, log = run("--no-pretrained")
+    assert (epochs, pre) == (30, 10)
+    assert ("--no-pretrained: the cross-entropy warm-up is 10 of the 30 epochs (the images "
+            "recipe's 3 are for an ImageNet backbone; --pretrain-epochs to choose)") in log
+    assert run("--no-pretrained", "--epochs", "12")[:2] == (12, 4)
+    epochs, pre, log = run("--no-pretrained", "--pretrain-epochs", "5")
+    assert (epochs, pre) == (30, 5) and "cross-entropy warm-up is" not in log
+
+
 def test_fewer_epochs_than_the_pre_training_is_one_clear_line():
     with pytest.raises(SystemExit, match=r"--epochs 5 is fewer than --pretrain-epochs 40 "
                                          r"\(the cifar10 recipe's\)"):
