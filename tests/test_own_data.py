@@ -158,9 +158,10 @@ def test_train_job_on_a_plain_class_folder(own, tmp_path, capsys):
     assert Manifest.load(test_dir).num_samples == 30
     assert (np.asarray(read_split_labels(str(test_dir))["clean"]) >= 0).all()
     assert (np.asarray(read_split_labels(str(train_dir))["clean"]) == -1).all()
-    # the warm-up: half the noise phase's steps per worker, said in the log
-    steps = sum(noise_phase_steps(jr.run, m, 2))
-    assert jr.run.lccn.warmup_steps == round(steps / 2) > 0
+    # the warm-up: half an epoch's steps per worker, said in the log
+    per_epoch = noise_phase_steps(jr.run, m, 2)
+    assert jr.run.lccn.warmup_steps == max(1, round(sum(per_epoch) / len(per_epoch) / 2))
+    assert jr.run.lccn.warmup_steps < per_epoch[0]
     assert any("warm-up:" in line for line in jr.lines())
     # a rerun reuses the shards (same folder, the files untouched)
     before = {p: p.stat().st_mtime_ns for p in train_dir.glob("*.tar")}
