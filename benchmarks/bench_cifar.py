@@ -51,6 +51,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from pipeline.core.config import (
     RunConfig,
@@ -75,6 +76,7 @@ from pipeline.data.cifar_memory import (
     normalise,
 )
 from pipeline.data.transforms import PerImageStandardize
+from bench_data import DEFAULT_DATA, HUMAN_LABELS  # noqa: E402
 from pipeline.train.trainer import LocalTrainer, TensorData, select_epoch
 
 SETTINGS = {
@@ -89,9 +91,6 @@ SETTINGS = {
     "aggre": ("human", "aggre"),      # majority vote of three annotators, 9.0% wrong
     "random1": ("human", "random1"),  # the first annotator, 17.2% wrong
 }
-DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-# CIFAR-10N's labels of the training JPEGs, key train/<class>/<k:04d>, under --data
-HUMAN_LABELS = Path("cifar10n") / "cifar10n-aggre-random1.csv"
 
 
 # the config fields the benchmark takes from the command line, and its protocol's defaults

@@ -56,9 +56,10 @@ from pipeline.train.loop import LabelTask, run_pass
 from pipeline.train.methods.lccn import GibbsTask
 from pipeline.train.models import build_model  # noqa: E402
 
+from bench_data import DEFAULT_DATA  # noqa: E402  (this folder: the script's own)
+
 MODES = ("ce", "local", "push")
 WARMUP_STEPS = 8
-DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
 class TimedLabeler(GibbsLabeler):

@@ -23,11 +23,10 @@ import tarfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_data import DEFAULT_DATA, HUMAN_LABELS  # noqa: E402
 from pipeline.data.cifar_memory import CIFAR10_CLASSES  # noqa: E402
-
-DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"  # as bench_cifar
-HUMAN_LABELS = Path("cifar10n") / "cifar10n-aggre-random1.csv"
 
 
 def read_labels(path: Path, column: str) -> dict[str, int]:

@@ -102,16 +102,15 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
         source="LCCN paper Sec. 4.1.3 (WebVision) and Table 7; MixMatch alpha, lambda_u: "
                "DivideMix's WebVision settings"),
     # one's own images (jobs/train.py): an ImageNet backbone fine-tuned from its weights at
-    # the usual fine-tuning rate; the job sets the warm-up from the data (half the noise
-    # phase's steps, between the paper's CIFAR and Clothing1M shares) and the transform
-    # from --image-size
+    # the usual fine-tuning rate; the job sets the chain's warm-up from the data (half an
+    # epoch's steps per worker) and the transform from --image-size
     Recipe("images", transform="imagenet224", pretrained=True, point={
         "model.name": "resnet50", "optim.batch_size": 64, "optim.lr": 0.01, "optim.epochs": 30,
         "optim.pretrain_epochs": 3, "optim.weight_decay": 5e-4, "optim.milestones": (20,),
         **_NORM_WD, "lccn.warmup_steps": 0, "lccn.warmup": "anchor"},
         scratch_pretrain_share=1 / 3,
-        note="the job sets the warm-up to half the noise phase's steps unless "
-             "--warmup-steps is given; with --no-pretrained a third of the epochs are CE",
+        note="the job sets the warm-up to half an epoch's steps unless --warmup-steps is "
+             "given; with --no-pretrained a third of the epochs are CE",
         source="ours (jobs/train.py, one's own images)"),
     # the quickstart: scikit-learn digits, small CNN on the CPU
     # targets "sample": on 1,257 digits a small CNN memorises the noisy labels, and the
