@@ -105,7 +105,8 @@ def job_config(args: argparse.Namespace, dataset: str) -> JobConfig:
             and "pretrain_epochs" not in given and not args.smoke_test:
         # from scratch: a third of the run (the paper's CIFAR recipe: 40 of 120 epochs); on
         # CIFAR-10N random1, seed 0 (cifar_real.md), 3 CE epochs of 30 left LCCN 2.30 points
-        # below CE at the final epoch, 10 of 30 0.79 (1.34 over three seeds: still below)
+        # below CE at the final epoch, 10 of 30 0.79 (with the chain's warm-up of half an
+        # epoch, own_images.WARMUP_EPOCHS, level with CE over three seeds)
         extra["optim.pretrain_epochs"] = max(int(rec.get("optim.pretrain_epochs")),
                                              round(epochs * rec.scratch_pretrain_share))
     if args.smoke_test:
