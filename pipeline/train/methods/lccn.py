@@ -441,9 +441,9 @@ class LCCN(Method):
         validation accuracy still rises by more than two standard errors."""
         o, hist = self.run.optim, self.engine.history
         n_val = int(self.engine.data.held_out.sum())
-        rise, se = warmup_rise([r for r in hist if int(r.get("epoch", -1)) < start], n_val)
-        val = max((float(r.get("val_top1", math.nan)) for r in hist
-                   if int(r.get("epoch", -1)) < start), default=math.nan)
+        ce_rows = [r for r in hist if int(r.get("epoch", -1)) < start]
+        rise, se = warmup_rise(ce_rows, n_val)
+        val = max((float(r.get("val_top1", math.nan)) for r in ce_rows), default=math.nan)
         nums = (f"best noisy validation accuracy {val:.3f}, the last two epochs "
                 f"{rise * 100:+.1f} points above the best before them, one standard error "
                 f"{se * 100:.1f} points over {n_val} held-out images")
@@ -453,8 +453,11 @@ class LCCN(Method):
             print(f"[lccn] cross-entropy warm-up: {start} epochs (--pretrain-epochs auto: "
                   f"{how}; {nums})", flush=True)
         elif rise > 2 * se:
-            print(f"[lccn] warning: the cross-entropy warm-up ends after {start} epochs on a "
-                  f"classifier still learning ({nums}): the noise phase starts its "
+            # its own rows, not pretrain_epochs: a run continued from another's CE state
+            # (the benchmarks' --pretrain-from) starts its noise phase at epoch 0
+            n_ce = len({int(r.get("epoch", -1)) for r in ce_rows})
+            print(f"[lccn] warning: the cross-entropy warm-up ends after {n_ce} epochs on "
+                  f"a classifier still learning ({nums}): the noise phase starts its "
                   f"transition and latent labels from it; --pretrain-epochs auto warms up "
                   f"until the accuracy stops rising", flush=True)
 
