@@ -76,8 +76,9 @@ from pipeline.data.cifar_memory import (
     normalise,
 )
 from pipeline.data.transforms import PerImageStandardize
-from bench_data import DEFAULT_DATA, HUMAN_LABELS  # noqa: E402
 from pipeline.train.trainer import LocalTrainer, TensorData, select_epoch
+
+from bench_data import DEFAULT_DATA, HUMAN_LABELS
 
 SETTINGS = {
     "asym0.5": ("asymmetric", 0.5),

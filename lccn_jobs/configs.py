@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -275,17 +276,20 @@ def noise_phase_steps(run: RunConfig, manifest: Manifest, world_size: int) -> li
             for e in range(run.optim.pretrain_epochs, run.optim.epochs)]
 
 
-def warmup_covers_phase(run: RunConfig, manifest: Manifest, world_size: int) -> str | None:
+def warmup_covers_phase(run: RunConfig, manifest: Manifest, world_size: int, *,
+                        per_epoch: Sequence[int] | None = None) -> str | None:
     """A warning when δ (``warmup_steps``) lasts at least the whole LCCN phase: Eq. 7 then
     never reads the counts, so α and the learned transition change nothing (a sweep over α
     on a short run measures noise). None otherwise, for methods without a chain, and without
     an LCCN phase. The phase's steps are every rank's, from the loader's own plan of each
     epoch (whole shards per rank; the noisy-validation samples are dropped from the batches,
-    not from the count of steps)."""
+    not from the count of steps), or ``per_epoch`` where the caller has planned them
+    (:func:`noise_phase_steps`)."""
     epochs = run.optim.epochs - run.optim.pretrain_epochs
     if not get_method(run.method).needs_chain or run.lccn.warmup_steps == 0 or epochs <= 0:
         return None
-    per_epoch = noise_phase_steps(run, manifest, world_size)
+    if per_epoch is None:
+        per_epoch = noise_phase_steps(run, manifest, world_size)
     steps = sum(per_epoch)
     if run.lccn.warmup_steps < steps:
         return None

@@ -260,7 +260,7 @@ class OwnImagesJob(DatasetJob):
         jr.log.append(f"[{self.name}] warm-up: {warmup:,} steps per worker, {WARMUP_EPOCHS:g} "
                       f"of an epoch's (the noise phase: {steps:,} steps in {len(per_epoch)} "
                       f"epochs; --warmup-steps to choose)")
-        note = warmup_covers_phase(jr.run, jr.manifest, args.num_workers)
+        note = warmup_covers_phase(jr.run, jr.manifest, args.num_workers, per_epoch=per_epoch)
         jr.run_warnings = [f"[{self.name}] warning: {note}"] if note else []
         return jr
 
