@@ -14,12 +14,21 @@ run builds it (:func:`pipeline.track.label_issues.build_report`) and scored:
 - precision and recall of the flags on the noisy validation split, beside cleanlab's
   ``find_label_issues`` given the same out-of-sample probabilities.
 
+``--true-transition``: the estimate's bound with the run's own classifier. The held-out
+estimate (the mean posterior of the observed label on the noisy validation split, Eq. 7
+with the selected classifier's out-of-sample probabilities) is read once with the run's φ
+as the report reads it and once with the training rows' true transition (counted from the
+clean labels) in its place, the classifier's temperature refitted to it on the split; both
+beside the split's own share of right labels and the training rows'.
+
 The bound (``--clean-model FILE``, a ``bench_cifar.py --save-model`` of CE trained on the
 clean labels of other images, ``--train-offset``): the same rule with that classifier's
 probabilities on the run's training and validation images and the label view's true
 transition. Usage::
 
     python benchmarks/bench_cleaning.py OUT/*-report.pt --json OUT/cleaning.json
+    python benchmarks/bench_cleaning.py OUT/*-report.pt --true-transition \\
+        --json OUT/estimate-bound.json
     python benchmarks/bench_cleaning.py OUT/fid/random1-seed0-lccn-report.pt \\
         --clean-model MODELS/clean25k.pt --setting random1 --train-size 20000
 """
@@ -34,8 +43,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pipeline.core.confusion import transition
 from pipeline.core.posterior import STATE_KEY
-from pipeline.track.label_issues import build_report
+from pipeline.track.label_issues import (
+    _chain0,
+    _heldout_nll,
+    _tempered,
+    build_report,
+    calibrate,
+    heldout_posterior,
+)
 
 
 def score(state: dict) -> dict:
@@ -55,6 +72,41 @@ def score(state: dict) -> dict:
             out[key].update(accuracy_observed=ev["accuracy_observed"],
                             accuracy_cleaned=ev["accuracy_cleaned"], relabel=ev["relabel"])
     return out
+
+
+def estimate_bound(state: dict) -> dict:
+    """The held-out estimate of the observed labels' accuracy with the run's φ (calibrated
+    as the report calibrates it) and with the training rows' true transition (the
+    classifier's temperature refitted to it), beside the truth on the split and on the
+    training rows (percent)."""
+    from scipy.optimize import minimize_scalar
+
+    acc, chain = state[STATE_KEY], _chain0(state["store"])
+    obs = np.asarray(chain["observed"], dtype=np.int64)
+    clean = np.asarray(state["clean"], dtype=np.int64)
+    k = int(acc["num_classes"])
+    phi = transition(torch.as_tensor(chain["counts"]),
+                     torch.as_tensor(acc["alpha"], dtype=torch.float64)).numpy()
+    hidx = np.asarray(acc["heldout"]["idx"], dtype=np.int64)
+    probs = np.asarray(acc["heldout"]["probs"], dtype=np.float64)[:, :phi.shape[0]]
+    ho = obs[hidx]
+    train = np.ones(len(obs), dtype=bool)
+    train[hidx] = False
+    true = np.full((k, k), 1e-9)
+    np.add.at(true, (clean[train], obs[train]), 1.0)
+    true = np.vstack([true / true.sum(1, keepdims=True), phi[k:]])  # LCCN*: its outlier row
+    cal = calibrate(probs, ho, phi)
+    run_est = heldout_posterior(cal.probs(probs), ho, cal.phi(phi))[np.arange(len(ho)), ho]
+    t = minimize_scalar(lambda v: _heldout_nll(_tempered(probs, v), ho, true),
+                        bounds=(0.25, 4.0), method="bounded").x
+    true_est = heldout_posterior(_tempered(probs, t), ho, true)[np.arange(len(ho)), ho]
+    return {"split": int(len(ho)), "truth_split": 100 * float((ho == clean[hidx]).mean()),
+            "truth_train": 100 * float((obs[train] == clean[train]).mean()),
+            "estimate_run_phi": 100 * float(run_est.mean()),
+            "estimate_true_transition": 100 * float(true_est.mean()),
+            "temperature_true_transition": float(t),
+            "phi_diagonal": float(np.diag(phi[:k]).mean()),
+            "true_diagonal": float(np.diag(true[:k]).mean())}
 
 
 def bound(state: dict, model_path: Path, setting: str, train_size: int) -> dict:
@@ -106,8 +158,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--clean-model", type=Path, default=None)
     p.add_argument("--setting", default=None)
     p.add_argument("--train-size", type=int, default=20000)
+    p.add_argument("--true-transition", action="store_true",
+                   help="the held-out estimate with the true transition in the run's φ's place")
     args = p.parse_args(argv)
     rows = {}
+    if args.true_transition:
+        print("| run | truth: split / training | held-out estimate: run's φ / true "
+              "transition | φ diagonal: run / true |")
+        print("|---|---|---|---|")
+        for f in args.states:
+            b = estimate_bound(torch.load(f, map_location="cpu", weights_only=False))
+            rows[f.name] = b
+            print(f"| {f.name} | {b['truth_split']:.1f} / {b['truth_train']:.1f} | "
+                  f"{b['estimate_run_phi']:.1f} / {b['estimate_true_transition']:.1f} | "
+                  f"{b['phi_diagonal']:.3f} / {b['true_diagonal']:.3f} |")
+        if args.json is not None:
+            args.json.write_text(json.dumps(rows, indent=1, default=float))
+        return
     print("| run | truth: observed / cleaned | estimate: observed / cleaned (95%) | "
           "confident learning: observed | relabelled | flags on validation P / R (LCCN) | "
           "cleanlab P / R |")

@@ -184,12 +184,20 @@ class Calibration:
     """How the report reads the model's posteriors, fitted on the noisy validation split.
 
     ``temperature``: the classifier's probabilities are ``softmax(log P(k | x) / T)``;
-    ``shrink``: the transition is ``(1 - s) phi + s I`` (negative: further from the
-    identity; LCCN*'s outlier row is left as it is). Both maximise the held-out likelihood
-    of the observed labels, ``mean log sum_k P_T(k | x) phi_s[k, ỹ]``, the one thing noisy
-    labels can check: a classifier trained to its labels is overconfident on images it was
-    not trained on, and a transition estimated from such a classifier misplaces the noise.
-    ``nll``: that likelihood before and after (mean nats)."""
+    ``shrink``: the transition is ``(1 - s) phi + s I`` with ``s <= 0``, further from the
+    identity (more noise; LCCN*'s outlier row is left as it is). Both maximise the held-out
+    likelihood of the observed labels, ``mean log sum_k P_T(k | x) phi_s[k, ỹ]``, the one
+    thing noisy labels can check: a classifier trained to its labels is overconfident on
+    images it was not trained on, and a transition estimated from such a classifier
+    misplaces the noise. ``nll``: that likelihood before and after (mean nats).
+
+    The transition may only move away from the identity. The chain counted φ on rows the
+    classifier was fitting, so its own bias is toward too little noise; and the held-out
+    likelihood cannot tell noise in φ from noise the classifier has learnt to predict: a
+    classifier that has fitted noisy labels predicts them on new images as well, and the
+    likelihood then rises as φ nears the identity. Allowed to, the fit moved φ toward the
+    identity on memorising CIFAR-10 runs and put the estimated accuracy of the observed
+    labels up to 39.5 points above the truth (symmetric 0.5: 94.8% against 55.3%)."""
 
     temperature: float = 1.0
     shrink: float = 0.0
@@ -228,7 +236,7 @@ def calibrate(probs: np.ndarray, observed: np.ndarray, phi: np.ndarray) -> Calib
     """:class:`Calibration` of a model (out-of-sample ``probs (n, K_latent)``) and its
     transition ``phi (K_latent, K)`` on held-out samples with observed labels ``(n,)``:
     a grid over the temperature (0.25-4, log-spaced) and the shrink (the most negative
-    that keeps every entry >= 0, to 0.95), then a bounded refinement from the best point.
+    that keeps every entry >= 0, to 0), then a bounded refinement from the best point.
     Deterministic; no samples: the identity calibration."""
     from scipy.optimize import minimize
 
@@ -245,7 +253,7 @@ def calibrate(probs: np.ndarray, observed: np.ndarray, phi: np.ndarray) -> Calib
     # s >= -phi_kk / (1 - phi_kk)
     lows = [-d / (1 - d) for d in diag if d < 1]
     s_min = max(-4.0, max(lows) if lows else 0.0) if off.any() else 0.0
-    s_grid = np.unique(np.concatenate([np.linspace(s_min, 0.0, 6), np.linspace(0.0, 0.95, 11)]))
+    s_grid = np.linspace(s_min, 0.0, 11) if s_min < 0 else np.zeros(1)
     t_grid = np.exp(np.linspace(np.log(0.25), np.log(4.0), 17))
 
     def f(x: np.ndarray) -> float:
@@ -254,7 +262,7 @@ def calibrate(probs: np.ndarray, observed: np.ndarray, phi: np.ndarray) -> Calib
     start = min(((f(np.array([t, sv])), t, sv) for t in t_grid for sv in s_grid),
                 key=lambda v: v[0])
     res = minimize(f, x0=np.array([start[1], start[2]]), method="L-BFGS-B",
-                   bounds=[(0.25, 4.0), (s_min, 0.95)])
+                   bounds=[(0.25, 4.0), (s_min, 0.0)])
     best = (float(res.x[0]), float(res.x[1])) if res.fun <= start[0] else (start[1], start[2])
     before, after = f(np.array([1.0, 0.0])), f(np.array(best))
     # two parameters fitted on n samples: kept only when the held-out data support them
@@ -515,15 +523,19 @@ class LabelIssueReport:
                  f"wrong (more suspect than the estimated {100 * c['flag_threshold']:.1f}% "
                  f"of wrong labels)."]
         low = c.get("confident_joint_accuracy", float("nan"))
-        if low == low and low < a - 1.96 * (se if se == se else 0.0):
-            lines.append(f"The interval covers the sampling error only: confident learning on "
-                         f"the same held-out predictions estimates {100 * low:.1f}%. Where "
-                         f"the classifier has fitted its training labels the noise model's "
-                         f"estimate runs high and confident learning's runs low (on CIFAR-10 "
-                         f"with human and synthetic noise the truth lay between the two in 21 "
-                         f"of 23 measured runs, and within 2 points of one of them in the "
-                         f"other two), so read the observed labels' accuracy as between "
-                         f"{100 * low:.1f}% and {100 * a:.1f}%.")
+        if se == se:
+            lines.append("The interval covers the held-out split's sampling error only. The "
+                         "estimate reads the noise from the learned transition, which holds "
+                         "too little of it where the classifier has learnt to predict the "
+                         "annotators' confusions without memorising (fine-tuning, or a "
+                         "schedule CE does not memorise on): on CIFAR-10 with human and "
+                         "synthetic noise it "
+                         "ranged from 5.8 points below the truth to 14.7 above it, within 3 "
+                         "points in 14 of 32 measured runs."
+                         + ("" if low != low else
+                            f" Confident learning on the same held-out predictions "
+                            f"estimates {100 * low:.1f}%; it counts the classifier's own "
+                            f"errors as label noise and ran up to 29 points low there."))
         if c["relabel"] == 0 or g <= 0:
             lines.append("Cleaning is not expected to help: no label has another class more "
                          "probable than itself; keep the observed labels.")
@@ -641,17 +653,20 @@ def build_report(state: dict, *, clean: np.ndarray | None = None,
         held_noise = float((1 - h_obs - h_out).mean())
         se = math.sqrt(max(held_acc * (1 - held_acc), 0.0) / len(hidx))
         shift = observed_odds_shift(p_obs, held_acc - 1.96 * se, held_acc + 1.96 * se)
-        source = (f"the training posteriors, held within the 95% interval of the noisy "
-                  f"validation split's estimate {100 * held_acc:.1f}% ({len(hidx)} images "
-                  f"never trained on)")
+        source = (f"the noisy validation split, {len(hidx)} images never trained on; the "
+                  f"training posteriors, which read labels the classifier has fitted as "
+                  f"right, are moved into its interval for the decisions")
         cl_acc = confident_joint_accuracy(cal.probs(hprobs)[:, :k], hobs)
     else:
         held_acc, se, shift, cl_acc = float("nan"), float("nan"), 0.0, float("nan")
         source = "the training chain's own posteriors (no noisy validation split)"
     e = math.exp(shift)
     z = 1 - p_obs + e * p_obs
-    acc_observed = float((e * p_obs / z).mean()) if n_rows else float("nan")
-    noise_rate = float((1 - (e * p_obs + p_out) / z).mean()) if n_rows else float("nan")
+    if has_held:  # the out-of-sample estimate; the shifted training mean sits at its edge
+        acc_observed, noise_rate = held_acc, held_noise
+    else:
+        acc_observed = float((e * p_obs / z).mean()) if n_rows else float("nan")
+        noise_rate = float((1 - (e * p_obs + p_out) / z).mean()) if n_rows else float("nan")
     po, pb, flagged, relabel = decide(p_obs, p_best, p_out, shift=shift, noise_rate=noise_rate)
     relabel &= suggested >= 0
     if k_latent == k + 1:  # LCCN*: a sample the outlier class explains best is not relabelled
@@ -687,7 +702,7 @@ def build_report(state: dict, *, clean: np.ndarray | None = None,
     if has_held:
         report.notes.append(
             f"calibrated on the noisy validation split: temperature {cal.temperature:.3f}, "
-            f"transition shrunk {cal.shrink:+.3f} toward the identity (held-out loss of the "
+            f"transition moved {abs(cal.shrink):.3f} away from the identity (held-out loss of the "
             f"observed labels {cal.nll_before:.4f} -> {cal.nll_after:.4f} nats); the "
             f"training posteriors' log-odds of their observed label moved by {shift:+.3f} "
             f"so that the accuracy they imply lies in the held-out estimate's 95% interval")
