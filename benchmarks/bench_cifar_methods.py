@@ -55,7 +55,8 @@ METHODS = ("ce", "bootstrap", "forward", "sadapt", "trevision", "lccn", "lccn_st
 SETTINGS = ("asym0.5", "sym0.5", "idn0.4", "open0.3", "aggre", "random1")
 TRUSTED_FRACTION = 0.1
 # DivideMix's options a run may set (the library's defaults otherwise)
-DIVIDE_FLAGS = ("--lambda-u", "--conf-penalty", "--p-threshold", "--mixmatch-alpha")
+DIVIDE_FLAGS = ("--lambda-u", "--conf-penalty", "--p-threshold", "--mixmatch-alpha",
+                "--division-loss")
 # the DivideMix authors' choices for asymmetric noise: the confidence penalty in the
 # warm-up (their code's `--noise_mode asym`) and no unlabelled loss (lambda_u 0, their
 # answer for asymmetric CIFAR-10 on the project's tracker)

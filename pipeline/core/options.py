@@ -71,6 +71,7 @@ FLAGS: dict[str, str] = {
     "--lambda-u": "divide.lambda_u",
     "--temperature": "divide.temperature",
     "--conf-penalty": "divide.conf_penalty",
+    "--division-loss": "divide.division_loss",
     "--compile": "perf.compile",
     "--amp": "perf.amp",
     "--bootstrap-beta": "baseline.bootstrap_beta",
