@@ -324,6 +324,42 @@ def test_report_files_and_cli_log_into_a_real_mlflow_store(tmp_path, capsys):
     assert client.get_run(run_id).data.metrics["label_issues_rprec_train_mislabelled_lccn"] == 1.0
 
 
+def test_a_latent_class_the_chain_emptied_is_not_relabelled_into_another(tmp_path):
+    """A collapse under pair flips: the chain has merged class 2 into class 0 (every image
+    of a 2 sits in latent class 0 and its posterior says 0). Relabelling the samples
+    labelled 2 would turn right labels wrong, so they are kept; the other flips are still
+    relabelled to their clean class."""
+    rng = np.random.default_rng(1)
+    n, k = 300, 3
+    clean = rng.integers(0, k, n)
+    observed = np.where(rng.random(n) < 0.25, (clean + 1) % k, clean)
+    merged = np.where(clean == 2, 0, clean)  # the chain's z: no sample in latent class 2
+    held = np.zeros(n, bool)
+    held[::5] = True
+    post = np.full((n, k), 0.02)
+    post[np.arange(n), merged] = 1.0
+    post /= post.sum(1, keepdims=True)
+    store = ConfusionStore(torch.from_numpy(observed), torch.from_numpy(merged), k, k,
+                           counted=torch.from_numpy(~held))
+    count = np.where(held, 0, 3)
+    acc = {"sum": torch.from_numpy(post * count[:, None]).float(),
+           "count": torch.from_numpy(count), "epochs": [3, 4, 5], "alpha": 1.0,
+           "k_latent": k, "num_classes": k,
+           "heldout": {"idx": torch.from_numpy(np.flatnonzero(held)),
+                       "probs": torch.from_numpy(post[held]).float()}}
+    rep = li.build_report({"store": store.state_dict(), STATE_KEY: acc}, clean=clean)
+    rows, rel = rep.mislabelled.idx, rep.mislabelled.relabel
+    assert rep.cleaning["vanished_classes"] == [2] and rep.cleaning["kept_back"] > 20
+    assert not rel[observed[rows] == 2].any()
+    # the flips labelled 0 or 1 whose clean class the chain kept are relabelled to it
+    fixable = (observed[rows] != 2) & (observed[rows] != clean[rows]) & (clean[rows] != 2)
+    assert fixable.sum() > 10 and rel[fixable].all()
+    assert (rep.mislabelled.suggested[fixable] == clean[rows][fixable]).all()
+    ev = next(e for e in rep.evaluation if e["split"] == "train" and "accuracy_cleaned" in e)
+    assert ev["accuracy_cleaned"] > ev["accuracy_observed"]
+    assert any("emptied latent class 2" in note for note in rep.notes)
+
+
 def test_cli_errors_name_the_file(tmp_path):
     with pytest.raises(SystemExit, match="state.pt: no such file"):
         li.main([str(tmp_path)])

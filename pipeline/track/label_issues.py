@@ -64,7 +64,7 @@ import numpy as np
 import torch
 
 from pipeline.core.cli import prog_name
-from pipeline.core.config import json_safe
+from pipeline.core.config import MonitorConfig, json_safe
 from pipeline.core.confusion import transition
 from pipeline.core.labels import LabelView
 from pipeline.core.posterior import MAX_ENTRIES, STATE_KEY, sparse_sums
@@ -322,6 +322,20 @@ def confident_joint_accuracy(probs: np.ndarray, observed: np.ndarray) -> float:
         return float(np.trace(estimate_joint(labels=obs, pred_probs=probs)))
     except (ValueError, ZeroDivisionError):
         return float("nan")
+
+
+def vanished_classes(counts: np.ndarray, observed: np.ndarray, num_classes: int, *,
+                     floor: float = MonitorConfig.vanish_floor) -> np.ndarray:
+    """The in-distribution latent classes the chain has all but emptied: class ``j`` holds
+    fewer than ``floor`` (the collapse monitor's vanish floor) times as many samples as are
+    labelled ``j``. ``counts``: the chain's ``(K_latent, K)`` count matrix (latent by
+    observed); ``observed``: the counted samples' labels. A chain that emptied class ``j``
+    (under pair flips it can merge a class into the one its labels flip to) explains the
+    images labelled ``j`` by other classes whatever they show, so its posterior of them is
+    no ground for relabelling."""
+    held = np.asarray(counts, dtype=np.float64)[:num_classes].sum(1)
+    labelled = np.bincount(np.asarray(observed, dtype=np.int64), minlength=num_classes)
+    return np.flatnonzero((labelled > 0) & (held < floor * labelled))
 
 
 def decide(p_observed: np.ndarray, p_best: np.ndarray, p_outlier: np.ndarray, *,
@@ -669,6 +683,9 @@ def build_report(state: dict, *, clean: np.ndarray | None = None,
         noise_rate = float((1 - (e * p_obs + p_out) / z).mean()) if n_rows else float("nan")
     po, pb, flagged, relabel = decide(p_obs, p_best, p_out, shift=shift, noise_rate=noise_rate)
     relabel &= suggested >= 0
+    vanished = vanished_classes(chain["counts"], observed[counted], k)
+    kept_back = relabel & np.isin(obs_rows, vanished)
+    relabel &= ~kept_back
     if k_latent == k + 1:  # LCCN*: a sample the outlier class explains best is not relabelled
         top = cls[np.arange(n_rows), mean.argmax(1)] if n_rows else cls[:, 0]
         relabel &= top != k
@@ -688,6 +705,7 @@ def build_report(state: dict, *, clean: np.ndarray | None = None,
         "heldout_accuracy_observed": held_acc, "confident_joint_accuracy": cl_acc,
         "accuracy_cleaned": acc_observed + gain, "expected_gain": gain,
         "relabel": int(relabel.sum()), "flagged": int(flagged.sum()),
+        "vanished_classes": vanished.tolist(), "kept_back": int(kept_back.sum()),
         "flag_threshold": noise_rate, "samples": n_rows}
     kept = cls.shape[1]
     if kept < k_latent:
@@ -695,6 +713,15 @@ def build_report(state: dict, *, clean: np.ndarray | None = None,
                             f"{k_latent} classes (N x K_latent above {MAX_ENTRIES:,}): the "
                             f"scores are exact, a suggested label's probability a lower "
                             f"bound")
+    if vanished.size:
+        names = ", ".join(str(class_names[j]) if j < len(class_names) else str(j)
+                          for j in vanished)
+        plural = "es" if vanished.size > 1 else ""
+        report.notes.append(f"the chain all but emptied latent class{plural} {names} (a "
+                            f"collapse): {int(kept_back.sum())} samples with "
+                            f"{'those labels' if plural else 'that label'} that the posterior "
+                            f"would relabel are kept, since the chain explains every image "
+                            f"so labelled by another class")
     lo, hi = (int(count[rows].min()), int(count[rows].max())) if n_rows else (0, 0)
     report.notes.append(f"training split: {n_rows} samples counted in the chain, each "
                         f"with {lo if lo == hi else f'{lo} to {hi}'} averaged "
