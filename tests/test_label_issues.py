@@ -240,16 +240,23 @@ def _state(tmp_path: Path, *, k: int, outlier: bool, rng: np.random.Generator):
         post[7] = 0.02
         post[7, k] = 1.0
     post /= post.sum(1, keepdims=True)
-    store = ConfusionStore(torch.from_numpy(observed), torch.from_numpy(clean.clip(0, k - 1)),
-                           k_lat, k, counted=torch.from_numpy(~held))
+    state = _chain_state(observed, clean.clip(0, k - 1), post, held, k_lat, k)
+    return state, clean, observed
+
+
+def _chain_state(observed: np.ndarray, z: np.ndarray, post: np.ndarray, held: np.ndarray,
+                 k_lat: int, k: int) -> dict:
+    """The chain (latent labels ``z``; ``held`` samples not counted) and the accumulator:
+    the posteriors ``post`` averaged over three epochs, the held-out rows' predictions."""
+    store = ConfusionStore(torch.from_numpy(observed), torch.from_numpy(z), k_lat, k,
+                           counted=torch.from_numpy(~held))
     count = np.where(held, 0, 3)
     acc = {"sum": torch.from_numpy(post * count[:, None]).float(),
            "count": torch.from_numpy(count), "epochs": [3, 4, 5], "alpha": 1.0,
            "k_latent": k_lat, "num_classes": k,
            "heldout": {"idx": torch.from_numpy(np.flatnonzero(held)),
                        "probs": torch.from_numpy(post[held]).float()}}
-    state = {"store": store.state_dict(), STATE_KEY: acc, "mlflow_run_id": None}
-    return state, clean, observed
+    return {"store": store.state_dict(), STATE_KEY: acc, "mlflow_run_id": None}
 
 
 def test_report_files_and_cli_log_into_a_real_mlflow_store(tmp_path, capsys):
@@ -339,15 +346,7 @@ def test_a_latent_class_the_chain_emptied_is_not_relabelled_into_another(tmp_pat
     post = np.full((n, k), 0.02)
     post[np.arange(n), merged] = 1.0
     post /= post.sum(1, keepdims=True)
-    store = ConfusionStore(torch.from_numpy(observed), torch.from_numpy(merged), k, k,
-                           counted=torch.from_numpy(~held))
-    count = np.where(held, 0, 3)
-    acc = {"sum": torch.from_numpy(post * count[:, None]).float(),
-           "count": torch.from_numpy(count), "epochs": [3, 4, 5], "alpha": 1.0,
-           "k_latent": k, "num_classes": k,
-           "heldout": {"idx": torch.from_numpy(np.flatnonzero(held)),
-                       "probs": torch.from_numpy(post[held]).float()}}
-    rep = li.build_report({"store": store.state_dict(), STATE_KEY: acc}, clean=clean)
+    rep = li.build_report(_chain_state(observed, merged, post, held, k, k), clean=clean)
     rows, rel = rep.mislabelled.idx, rep.mislabelled.relabel
     assert rep.cleaning["vanished_classes"] == [2] and rep.cleaning["kept_back"] > 20
     assert not rel[observed[rows] == 2].any()
