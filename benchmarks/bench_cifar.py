@@ -99,7 +99,8 @@ FLAGS = ("--model", "--epochs", "--pretrain-epochs", "--milestones", "--lr", "--
          "--weight-decay", "--ema-decay", "--norm-weight-decay", "--bn-momentum", "--compile", "--val-fraction",
          "--alpha", "--prior-strength", "--warmup-steps", "--warmup", "--targets", "--init", "--warmup-prior",
          "--ramp-epochs", "--refresh-steps", "--guard-drop", "--guard-patience", "--guard-targets",
-         "--guard-prior-strength", "--guard-floor", "--guard-sampler", "--teacher")
+         "--guard-prior-strength", "--guard-floor", "--guard-sampler", "--teacher",
+         "--warmup-weights")
 DEFAULTS = {"--model": "cnn_wide", "--epochs": 24, "--pretrain-epochs": 8,
             "--milestones": (16, 21), "--lr": 0.1, "--batch-size": 128,
             "--warmup-steps": UNSET}
@@ -394,6 +395,15 @@ def fit_pair(args: argparse.Namespace, cfg_ce: RunConfig, cfg_lccn: RunConfig,
         def on_epoch(e: int, r: dict) -> None:
             show_ce(e, r)
             rows.append(dict(r))
+            # LCCNConfig.warmup_weights "best": the warm-up epoch with the best noisy
+            # validation accuracy, whose weights the noise phase then starts from
+            if (decided["p"] is None or e < decided["p"]) and e < p and \
+                    r["val_top1"] > snap.get("best_val", float("-inf")):
+                ema_b = ce.engine.members[0].ema
+                snap.update(best_val=r["val_top1"], best_epoch=e,
+                            best_model=copy.deepcopy(ce.model.state_dict()),
+                            best_ema=None if ema_b is None else copy.deepcopy(
+                                ema_b.state_dict()))
             if decided["p"] is None and warmup_end_epoch(rows, n_val=n_val, cap=p) == e + 1:
                 decided["p"] = e + 1
                 print(f"--pretrain-epochs auto: CE warm-up of {e + 1} epochs (cap {p})",
@@ -431,6 +441,17 @@ def fit_pair(args: argparse.Namespace, cfg_ce: RunConfig, cfg_lccn: RunConfig,
     lc = LocalTrainer(cfg, train, test, device=args.device, normalize=normalize)
     _set_schedule(args, lc, offset=0 if args.restart else p)
     lc.model.load_state_dict(snap["model"])
+    from_best = cfg_lccn.lccn.warmup_weights == "best" and not args.restart
+    if from_best and "best_model" not in snap:
+        raise ValueError("--warmup-weights best needs the warm-up run here (the best epoch's "
+                         "weights are not in a --pretrain-from state)")
+    if from_best and snap["best_epoch"] != p - 1:
+        # as the library does at the noise phase's start: the best warm-up epoch's weights,
+        # the last epoch's optimiser state
+        lc.model.load_state_dict(snap["best_model"])
+        print(f"--warmup-weights best: the noise phase starts from CE epoch "
+              f"{snap['best_epoch'] + 1} (noisy validation {snap['best_val']:.4f}; the last "
+              f"epoch's {hist_ce[p - 1]['val_top1']:.4f})", flush=True)
     if not args.restart:
         # the same run continued: its CE epochs are the rows before the noise phase (the
         # last one is a candidate for the best noisy-validation epoch, as in the jobs)
@@ -449,7 +470,8 @@ def fit_pair(args: argparse.Namespace, cfg_ce: RunConfig, cfg_lccn: RunConfig,
         if snap.get("ema") is None:
             raise ValueError("--ema-decay is set but the pre-training state has no weight "
                              "average (it was written without --ema-decay)")
-        lc.engine.members[0].ema.load_state_dict(snap["ema"])
+        lc.engine.members[0].ema.load_state_dict(
+            snap["best_ema"] if from_best and snap["best_epoch"] != p - 1 else snap["ema"])
     diags: list[dict] = []
     total = 2 * e_total if args.restart else e_total
     show_lc = _show("ce2" if args.restart_control else "lccn", total, offset=p)

@@ -36,7 +36,8 @@ def get_args_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--rate", type=float, default=0.4)
-    add_options(p, ("--epochs", "--pretrain-epochs", "--val-fraction", "--report-epochs"),
+    add_options(p, ("--epochs", "--pretrain-epochs", "--val-fraction", "--report-epochs",
+                    "--warmup-weights"),
                 defaults={"--epochs": 8, "--pretrain-epochs": 4, "--val-fraction": 0.2,
                           "--report-epochs": 3})
     p.add_argument("--write", type=Path, default=None, help="write the table here (Markdown)")
@@ -51,7 +52,7 @@ def one_seed(args: argparse.Namespace, seed: int, run_dir: Path) -> list[dict]:
         "--pretrain-epochs", str(args.pretrain_epochs), "--milestones", "--no-baseline",
         "--val-fraction", str(args.val_fraction), "--report-epochs", str(args.report_epochs),
         "--seed", str(seed), "--run-dir", str(run_dir), "--run-name", f"issues-s{seed}",
-        "--no-tracking"])
+        "--warmup-weights", args.warmup_weights, "--no-tracking"])
     rows = []
     cleaning = summary["label_issues"]["cleaning"]
     for ev in summary["label_issues"]["evaluation"]:

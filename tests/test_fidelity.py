@@ -595,3 +595,69 @@ def test_a_fixed_warm_up_that_ends_on_a_still_rising_classifier_is_warned_of(cap
     assert "[lccn] warning: the cross-entropy warm-up ends after 3 epochs on a classifier " \
            f"still learning (best noisy validation accuracy {max(r['val_top1'] for r in rows[:3]):.3f}" in out
     assert f"{rise * 100:+.1f} points above the best before them" in out
+
+
+def test_a_warm_up_that_ends_below_its_best_noisy_validation_epoch_is_warned_of():
+    from pipeline.core.monitor import warmup_fall
+    from pipeline.train.methods.lccn import swing_warning
+
+    def rows(vals):
+        return [{"epoch": float(i), "val_top1": v} for i, v in enumerate(vals)]
+
+    # the digits quickstart's warm-up (seed 1, 250 held-out digits, lr 0.1): best at epoch
+    # 2, then down 9.6 points; one standard error is 2.6 points
+    swing = rows([0.560, 0.780, 0.748, 0.684])
+    fall, se, at = warmup_fall(swing, 250)
+    assert fall == pytest.approx(0.096) and at == 1
+    assert se == pytest.approx(math.sqrt(0.78 * 0.22 / 250))
+    msg = swing_warning(swing, 250)
+    assert msg is not None and "9.6 points below its best" in msg
+    assert "(0.684 at its last epoch, 0.780 at epoch 2;" in msg
+    assert "--warmup-weights best starts it from epoch 2" in msg
+    # ending at the best, or within two standard errors of it: no warning
+    assert swing_warning(rows([0.588, 0.716, 0.756, 0.784]), 250) is None
+    assert swing_warning(rows([0.60, 0.78, 0.76]), 250) is None  # 2 points, se 2.6
+    # the same 2-point dip over 2,500 held-out images (se 0.8) is warned of
+    assert swing_warning(rows([0.60, 0.78, 0.76]), 2500) is not None
+    # no validation split, or no warm-up rows (a run continued from another's CE state)
+    assert swing_warning(rows([math.nan, math.nan]), 0) is None
+    assert swing_warning([], 250) is None
+
+
+def test_warmup_weights_best_starts_the_noise_phase_from_the_best_warm_up_epoch(capsys):
+    """lr 0.2 on the symmetric-0.5 digits: the warm-up's noisy validation accuracy peaks at
+    epoch 3 of 5 (measured 0.419, then 0.371 and 0.403). With ``warmup_weights="best"``
+    the noise phase's φ_init is the one a run whose warm-up ended at epoch 3 estimates
+    (the same first three epochs), and the copy is in the method's checkpointed state
+    while the warm-up goes on."""
+    from pipeline.core.config import LCCNConfig, ModelConfig, OptimConfig, RunConfig
+    from pipeline.train.trainer import LocalTrainer
+
+    def fit(epochs: int, pretrain: int, weights: str) -> tuple[LocalTrainer, list[dict]]:
+        train, test = _digits_sym(0)
+        cfg = RunConfig(method="lccn", seed=0, model=ModelConfig("small_cnn", 1),
+                        optim=OptimConfig(epochs=epochs, pretrain_epochs=pretrain,
+                                          batch_size=32, lr=0.2),
+                        lccn=LCCNConfig(warmup_weights=weights))
+        trainer = LocalTrainer(cfg, train, test)
+        return trainer, trainer.fit()
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        best, rows = fit(6, 5, "best")
+        out = capsys.readouterr().out
+        at3, _ = fit(4, 3, "last")
+        last, _ = fit(6, 5, "last")
+        ce_only, _ = fit(5, 5, "best")  # the noise phase never starts: the copy stays kept
+    finally:
+        torch.set_num_threads(old)
+    vals = [r["val_top1"] for r in rows[:5]]
+    assert max(range(5), key=vals.__getitem__) == 2 and vals[4] < vals[2]
+    assert "[lccn] warmup_weights best: the noise phase starts from the warm-up's epoch 3" in out
+    assert torch.equal(best.phi_init, at3.phi_init)
+    assert not torch.equal(best.phi_init, last.phi_init)
+    assert best.method.state_dict()["warmup_best"]["weights"] is None  # dropped once used
+    kept = ce_only.method.state_dict()["warmup_best"]
+    assert kept["epoch"] == 2 and kept["val"] == pytest.approx(vals[2])
+    assert set(kept["weights"]["model"]) == set(ce_only.model.state_dict())

@@ -175,6 +175,21 @@ def warmup_rise(history: Sequence[Mapping[str, float]], n_val: int, *,
             math.sqrt(max(best * (1 - best), 1e-12) / n_val))
 
 
+def warmup_fall(history: Sequence[Mapping[str, float]], n_val: int) -> tuple[float, float, int]:
+    """``(fall, se, best)`` of the warm-up's epoch rows: how far the last row's noisy
+    validation accuracy (``val_top1``) lies below the best row's, one standard error of
+    that accuracy (as :func:`warmup_rise`) and the best row's index. NaN, NaN, -1 without
+    rows or a validation split. A warm-up that ends well below its best hands the noise
+    phase a classifier on a swing down (a high learning rate's oscillation), from which
+    the transition and the latent labels start."""
+    vals = [float(r.get("val_top1", math.nan)) for r in history]
+    if not vals or n_val <= 0 or any(math.isnan(v) for v in vals):
+        return math.nan, math.nan, -1
+    best = max(range(len(vals)), key=vals.__getitem__)
+    return (vals[best] - vals[-1],
+            math.sqrt(max(vals[best] * (1 - vals[best]), 1e-12) / n_val), best)
+
+
 def warmup_end_epoch(history: Sequence[Mapping[str, float]], *, n_val: int, cap: int,
                      window: int = 2) -> int | None:
     """The epoch at which an automatic cross-entropy warm-up

@@ -58,6 +58,7 @@ FLAGS: dict[str, str] = {
     "--guard-rise": "lccn.guard_rise",
     "--guard-sampler": "lccn.guard_sampler",
     "--teacher": "lccn.teacher",
+    "--warmup-weights": "lccn.warmup_weights",
     "--refresh-steps": "lccn.refresh_steps",
     "--commit-every": "lccn.commit_every",
     "--report-epochs": "lccn.report_epochs",

@@ -396,12 +396,12 @@ class DivideLCCN(DivideMix):
     # neither LCCN's target nor its ramp reaches it (annealing does: it tempers the draws)
     ignores = ("lccn.targets", "lccn.ramp_epochs", "lccn.guard_drop", "lccn.guard_patience",
                "lccn.guard_targets", "lccn.guard_prior_strength", "lccn.guard_floor",
-               "lccn.guard_sampler", "lccn.guard_rise", "lccn.teacher")
+               "lccn.guard_sampler", "lccn.guard_rise", "lccn.teacher", "lccn.warmup_weights")
     ignores_why = ("its division (a two-component mixture on each sample's loss, every "
                    "epoch) keeps the samples a network fits without learning them out of "
                    "the other network's labelled set, and its chains read the networks' "
                    "co-guessed predictions: LCCN's memorisation guard and teacher do not "
-                   "apply")
+                   "apply, and its warm-up is DivideMix's")
 
     def __init__(self, run, engine) -> None:
         super().__init__(run, engine)

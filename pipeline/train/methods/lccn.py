@@ -28,6 +28,7 @@ from pipeline.core.monitor import (
     noise_floor,
     overfit_epoch,
     warmup_end_epoch,
+    warmup_fall,
     warmup_rise,
 )
 from pipeline.core.posterior import STATE_KEY, PosteriorWindow
@@ -57,6 +58,28 @@ def outlier_table(p_outlier: Tensor, observed: Tensor, rows: Tensor, *, threshol
         w.writerow((r, key, int(observed[r]), "" if p != p else f"{p:.6f}",
                     "" if p != p else int(p > threshold)))
     return out.getvalue()
+
+
+def swing_warning(ce_rows: list[dict], n_val: int) -> str | None:
+    """The warning, with its numbers, when the cross-entropy warm-up's rows end more than
+    two standard errors below their best noisy validation accuracy
+    (:func:`~pipeline.core.monitor.warmup_fall`); None otherwise. The noise phase's
+    transition and initial latent labels come from the last warm-up epoch's classifier
+    (unless ``warmup_weights="best"``): on the digits quickstart's 4-epoch warm-up at
+    learning rate 0.1 one that ended 9.6 points below its best left a latent class empty
+    (docs/label-issues.md)."""
+    fall, se, at = warmup_fall(ce_rows, n_val)
+    if not fall > 2 * se:  # NaN: no validation split
+        return None
+    best = at + 1  # the warm-up's epochs are its rows (a continued run's are shifted)
+    return (f"[lccn] warning: the cross-entropy warm-up ends on a classifier "
+            f"{fall * 100:.1f} points below its best noisy validation accuracy "
+            f"({float(ce_rows[-1]['val_top1']):.3f} at its last epoch, "
+            f"{float(ce_rows[at]['val_top1']):.3f} at epoch {best}; one standard error "
+            f"{se * 100:.1f} points over {n_val} held-out images): the noise phase starts "
+            f"its transition and latent labels from a classifier on a swing down, which "
+            f"can empty a latent class; --warmup-weights best starts it from epoch {best}'s "
+            f"weights (or: --pretrain-epochs {best}, a lower warm-up learning rate)")
 
 
 class GibbsTask(LabelTask):
@@ -185,6 +208,10 @@ class LCCN(Method):
         # epoch row looked at (a run resumed within an epoch does not look at it again)
         self._best: dict[str, Any] = {"val": float("-inf"), "seen": -1, "epoch": None,
                                       "weights": None}
+        # LCCNConfig.warmup_weights "best": the same over the warm-up's epochs (the copy the
+        # noise phase starts from; dropped once it has)
+        self._warm: dict[str, Any] = {"val": float("-inf"), "seen": -1, "epoch": None,
+                                      "weights": None}
         # the epoch whose copy sampler_model holds (teacher="best", or a guard's frozen
         # sampler; None: the live network, or a frozen copy of no validated epoch)
         self._teacher_epoch: int | None = None
@@ -245,6 +272,7 @@ class LCCN(Method):
         rank's samples into the chain; the monitor's reference accuracy."""
         eng, lc = self.engine, self.cfg
         data = eng.data
+        self._start_from_best_warmup()
         probs, idx, _ = predict(self.members[0].scorer, data.train_eval_batches(),
                                 device=eng.device)
         observed = data.observed[idx]
@@ -262,6 +290,46 @@ class LCCN(Method):
         self.monitor.start(eng.val_top1(), lr=eng.trained_lr())
         self._notes()
         return {"init_transition_error": transition_error(phi_init, data.transition)}
+
+    def _remember_warmup(self) -> None:
+        """``warmup_weights="best"``: after each warm-up epoch whose noisy validation
+        accuracy beats every earlier one's, keep a copy of the network's weights (and its
+        weight average's). The last row is the epoch just ended, whose weights these are;
+        every rank reads the same rows, so all keep the same epoch."""
+        hist = self.engine.history
+        if self.cfg.warmup_weights != "best" or not hist or self.noise_phase_started():
+            return
+        row = hist[-1]
+        epoch = int(row.get("epoch", -1))
+        if epoch <= self._warm["seen"]:
+            return
+        self._warm["seen"] = epoch
+        val = float(row.get("val_top1", float("nan")))
+        if val > self._warm["val"]:  # False for NaN: no validation split, no copy
+            m = self.members[0]
+            self._warm.update(val=val, epoch=epoch, weights={
+                "model": {k: v.detach().clone() for k, v in m.model.state_dict().items()},
+                "ema": None if m.ema is None else {
+                    k: v.detach().clone() for k, v in m.ema.state_dict().items()}})
+
+    def _start_from_best_warmup(self) -> None:
+        """At the noise phase's start, with ``warmup_weights="best"``: load the best
+        warm-up epoch's weights into the network when it is not the last one."""
+        self._remember_warmup()
+        saved, at = self._warm["weights"], self._warm["epoch"]
+        self._warm["weights"] = None
+        hist = self.engine.history
+        if saved is None or not hist or at == int(hist[-1].get("epoch", -1)):
+            return
+        m = self.members[0]
+        m.model.load_state_dict(saved["model"])
+        if m.ema is not None and saved["ema"] is not None:
+            m.ema.load_state_dict(saved["ema"])
+        if self.engine.session.rank == 0:
+            last = float(hist[-1].get("val_top1", float("nan")))
+            print(f"[lccn] warmup_weights best: the noise phase starts from the warm-up's "
+                  f"epoch {at + 1} (noisy validation accuracy {self._warm['val']:.3f}; the "
+                  f"last epoch's {last:.3f})", flush=True)
 
     def _guard(self, epoch: int) -> None:
         """The memorisation guard: from the epoch rows so far (every rank holds the same,
@@ -379,6 +447,7 @@ class LCCN(Method):
 
     def begin_epoch(self, epoch: int, steps_per_epoch: int) -> None:
         if not self.in_noise_phase(epoch):
+            self._remember_warmup()
             return
         self._remember_best()
         self._guard(epoch)
@@ -460,6 +529,9 @@ class LCCN(Method):
                   f"a classifier still learning ({nums}): the noise phase starts its "
                   f"transition and latent labels from it; --pretrain-epochs auto warms up "
                   f"until the accuracy stops rising", flush=True)
+        swing = swing_warning(ce_rows, n_val)
+        if swing is not None:
+            print(swing, flush=True)
 
     def _active(self, epoch: int) -> GibbsLabeler | None:
         return self.labeler if self.in_noise_phase(epoch) else None
@@ -584,6 +656,10 @@ class LCCN(Method):
                     k: v.detach().cpu() for k, v in sampler.items()},   # never trained
                 "guard_best": {**self._best, "weights": None if self._best["weights"] is None
                                else {k: v.cpu() for k, v in self._best["weights"].items()}},
+                "warmup_best": {**self._warm, "weights": None if self._warm["weights"] is None
+                                else {part: None if w is None else {k: v.cpu() for k, v in
+                                                                   w.items()}
+                                      for part, w in self._warm["weights"].items()}},
                 **self.monitor.state_dict(),
                 "outlier_mean": (None if self.outlier_mean is None
                                  else self.outlier_mean.state_dict()),
@@ -599,6 +675,9 @@ class LCCN(Method):
         best = state.get("guard_best")
         if best is not None:
             self._best = dict(best)
+        warm = state.get("warmup_best")
+        if warm is not None:
+            self._warm = dict(warm)
         self.monitor.load_state_dict(state)
         saved = state.get("outlier_mean")
         if saved is not None and self.outlier_mean is not None:
