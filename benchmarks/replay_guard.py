@@ -14,6 +14,14 @@ not say). Usage::
 
     python benchmarks/replay_guard.py benchmarks/results/cifar-real/*-ce.json \\
         benchmarks/results/cifar-mem-methods/*-ce.json --rise 0.01 0.02 0.05
+
+With ``--switch LCCN.json ...`` it reads instead where the LCCN runs' switch fired (their
+rows' ``guarded``), beside the CE run of the same setting and seed among the files: CE's
+noisy-validation peak, the epochs within one standard error of it (the split's size from
+the command line: ``--val-fraction`` of ``--train-size``), and CE's test peak::
+
+    python benchmarks/replay_guard.py benchmarks/results/cifar-real/mem/*-ce.json \\
+        --switch benchmarks/results/cifar-real/mem/*-live.json
 """
 
 from __future__ import annotations
@@ -83,12 +91,55 @@ def replay(result: dict, rise: float) -> dict:
             "epochs": len(hist), "first": first}
 
 
+def _flag(argv: str, flag: str, default: float) -> float:
+    m = re.search(rf"{flag}[ =]([0-9.]+)", argv)
+    return float(m.group(1)) if m else default
+
+
+def switch_rows(ce_results: list[dict], lccn_files: list[Path]) -> list[str]:
+    """One Markdown row per LCCN run: the epoch (1-based) at whose end its switch fired
+    (the first ``guarded`` row is the epoch after it), against its CE run's peaks."""
+    ce = {(r["setting"], r["seed"]): ce_history(r) for r in ce_results}
+    out = []
+    for f in lccn_files:
+        result = json.loads(f.read_text())
+        entry = (result.get("methods") or {}).get("lccn")
+        hist_ce = ce.get((result.get("setting"), result.get("seed")))
+        if entry is None or hist_ce is None:
+            continue
+        argv = " ".join(result.get("argv") or [])
+        n_val = round(_flag(argv, "--val-fraction", 0.05) * _flag(argv, "--train-size", 20000))
+        guarded = [int(r["epoch"]) for r in entry["history"] if r.get("guarded")]
+        fired = guarded[0] if guarded else None
+        val = [r["val_top1"] for r in hist_ce]
+        test = [r["test_top1"] for r in hist_ce]
+        pv = max(range(len(val)), key=lambda e: (val[e], -e))
+        pt = max(range(len(test)), key=lambda e: (test[e], -e))
+        se = math.sqrt(val[pv] * (1 - val[pv]) / n_val)
+        near = [e + 1 for e, v in enumerate(val) if v >= val[pv] - se]
+        span = f"{near[0]}-{near[-1]} ({len(near)} epochs)"
+        gap = "" if fired is None else f"{fired - (pt + 1):+d}"
+        out.append(f"| {f.name} | {result['setting']} | {result['seed']} | "
+                   f"{fired or 'never'} | {pv + 1} | {span} | {pt + 1} | {gap} |")
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("files", nargs="+", type=Path)
-    p.add_argument("--rise", type=float, nargs="+", default=[0.02],
-                   help="guard_rise values to replay (the library's default: 0.02)")
+    p.add_argument("--rise", type=float, nargs="+", default=[0.05],
+                   help="guard_rise values to replay (the library's default: 0.05)")
+    p.add_argument("--switch", type=Path, nargs="+", default=None,
+                   help="LCCN runs whose recorded switch to read against the CE runs given")
     args = p.parse_args(argv)
+    if args.switch:
+        print("| LCCN run | setting | seed | switch fired after epoch | CE noisy-val peak | "
+              "CE epochs within 1 se of it | CE test peak | switch − test peak |")
+        print("|---|---|---|---|---|---|---|---|")
+        ce_results = [r for r in (json.loads(f.read_text()) for f in args.files)
+                      if ce_history(r) is not None]
+        print("\n".join(switch_rows(ce_results, args.switch)))
+        return
     head = " | ".join(f"fires at {r:g}" for r in args.rise)
     print(f"| run | setting | seed | epochs (CE first) | noisy-val peak | test peak (drop) | "
           f"max gap widening / H(ỹ) | {head} |")
