@@ -379,8 +379,9 @@ def fit_pair(args: argparse.Namespace, cfg_ce: RunConfig, cfg_lccn: RunConfig,
                              f"epochs, this run asks for --pretrain-epochs {p}")
         hist_ce = snap["history"]
     else:
-        if "ce" not in args.methods:  # only the pre-training of CE is needed
-            cfg_ce = replace(cfg_ce, optim=replace(cfg_ce.optim, epochs=p))
+        if "ce" not in args.methods:  # only the pre-training of CE is needed (auto: its cap)
+            cfg_ce = replace(cfg_ce, optim=replace(
+                cfg_ce.optim, epochs=p, pretrain_epochs=min(cfg_ce.optim.pretrain_epochs, p)))
         ce = LocalTrainer(cfg_ce, train, test, device=args.device, normalize=normalize)
         if args.init_from is not None:
             ce.model.load_state_dict(torch.load(args.init_from, map_location="cpu"))

@@ -338,11 +338,18 @@ def test_an_automatic_warm_up_hands_lccn_the_epoch_the_rule_picks(bench, shared_
     argv = _argv(shared_data, tmp_path / "a", tmp_path / "cache")
     at = argv.index("--epochs")
     argv[at + 1], argv[argv.index("--pretrain-epochs") + 1] = "6", "auto"
-    argv[argv.index("--milestones") + 1] = "5"
+    argv[argv.index("--milestones") + 1] = "3"
     r = bench["main"](argv)[0]
     ce, lccn = r["methods"]["ce"]["history"], r["methods"]["lccn"]
-    p = lccn["pretrain_epochs"]  # the cap: min(half the run, the first milestone - 1) = 3
+    p = lccn["pretrain_epochs"]  # the cap: min(half the run, the first milestone - 1) = 2
     n_val = round(200 * 0.05)
-    assert p == warmup_end_epoch(ce[:p], n_val=n_val, cap=3)
+    assert p == warmup_end_epoch(ce[:p], n_val=n_val, cap=2)
     assert [row["phase"] for row in lccn["history"]] == [0.0] * p + [1.0] * (6 - p)
     assert lccn["history"][:p] == ce[:p]  # the shared CE epochs
+    # LCCN alone: CE runs only up to the cap, and the same epoch is picked
+    out = argv.index("--out") + 1
+    alone = bench["main"](argv[:out] + [str(tmp_path / "b")] + argv[out + 1:]
+                          + ["--methods", "lccn"])[0]
+    assert set(alone["methods"]) == {"lccn"}
+    assert alone["methods"]["lccn"]["pretrain_epochs"] == p
+    assert _tests(alone["methods"]["lccn"]) == _tests(lccn)
