@@ -212,9 +212,6 @@ class LCCN(Method):
         # noise phase starts from; dropped once it has)
         self._warm: dict[str, Any] = {"val": float("-inf"), "seen": -1, "epoch": None,
                                       "weights": None}
-        # the last warm-up row, when the network holds an earlier warm-up epoch's weights
-        # instead of that row's: (row's epoch, restored epoch, its noisy validation accuracy)
-        self._restored: tuple[int, int, float] | None = None
         # the epoch whose copy sampler_model holds (teacher="best", or a guard's frozen
         # sampler; None: the live network, or a frozen copy of no validated epoch)
         self._teacher_epoch: int | None = None
@@ -328,7 +325,6 @@ class LCCN(Method):
         m.model.load_state_dict(saved["model"])
         if m.ema is not None and saved["ema"] is not None:
             m.ema.load_state_dict(saved["ema"])
-        self._restored = (int(hist[-1].get("epoch", -1)), int(at), float(self._warm["val"]))
         if self.engine.session.rank == 0:
             last = float(hist[-1].get("val_top1", float("nan")))
             print(f"[lccn] warmup_weights best: the noise phase starts from the warm-up's "
@@ -426,11 +422,12 @@ class LCCN(Method):
             return
         self._best["seen"] = epoch
         val = float(row.get("val_top1", float("nan")))
-        if self._restored is not None and self._restored[0] == epoch:
-            # warmup_weights="best": the network holds the restored warm-up epoch's weights,
-            # so the candidate is that epoch, at its own accuracy (not the last row's)
-            _, epoch, val = self._restored
-            self._restored = None
+        warm = self._warm["epoch"]
+        if self.cfg.warmup_weights == "best" and epoch == self.noise_start() - 1 and \
+                warm is not None and warm != epoch:
+            # the warm-up's last row, while the network holds the restored warm-up epoch's
+            # weights: the candidate is that epoch, at its own accuracy
+            epoch, val = int(warm), float(self._warm["val"])
         # the teacher takes the later of equal epochs (a small validation split ties often,
         # and the later one has learned more); a guard's frozen sampler the earlier
         later = self.cfg.teacher == "best" and val == self._best["val"]
