@@ -2,8 +2,10 @@
 clean labels it never saw.
 
 Input: the report states ``bench_cifar.py --report-state FILE`` writes for its LCCN run (the
-averaged Eq. 7 posteriors of the training rows, the selected classifier's predictions on the
-noisy validation split, the chain and the clean labels). For each, the report is built as a
+averaged Eq. 7 posteriors of the training rows, the held-out predictions of the selected
+epoch's classifier and of the last epoch's on the noisy validation split, the chain and the
+clean labels). ``--heldout last`` scores with the last epoch's predictions (the report's
+reading before it took the selected classifier's). For each, the report is built as a
 run builds it (:func:`pipeline.track.label_issues.build_report`) and scored:
 
 - the accuracy of the observed labels and of the cleaned ones (``suggested`` where
@@ -50,6 +52,7 @@ from pipeline.track.label_issues import (
     _heldout_nll,
     _tempered,
     build_report,
+    heldout_of,
     heldout_posterior,
 )
 
@@ -86,8 +89,9 @@ def estimate_bound(state: dict) -> dict:
     k = int(acc["num_classes"])
     phi = transition(torch.as_tensor(chain["counts"]),
                      torch.as_tensor(acc["alpha"], dtype=torch.float64)).numpy()
-    hidx = np.asarray(acc["heldout"]["idx"], dtype=np.int64)
-    probs = np.asarray(acc["heldout"]["probs"], dtype=np.float64)[:, :phi.shape[0]]
+    held, _ = heldout_of(acc)
+    hidx = np.asarray(held["idx"], dtype=np.int64)
+    probs = np.asarray(held["probs"], dtype=np.float64)[:, :phi.shape[0]]
     ho = obs[hidx]
     train = np.ones(len(obs), dtype=bool)
     train[hidx] = False
@@ -149,6 +153,15 @@ def bound(state: dict, model_path: Path, setting: str, train_size: int) -> dict:
     return score(fake)
 
 
+def _load(path: Path, heldout: str) -> dict:
+    """A report state; ``heldout="last"``: without the selected epoch's held-out
+    predictions, so that the report reads the last epoch's."""
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if heldout == "last":
+        state[STATE_KEY] = {**state[STATE_KEY], "heldout_selected": None}
+    return state
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("states", nargs="+", type=Path)
@@ -156,6 +169,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--clean-model", type=Path, default=None)
     p.add_argument("--setting", default=None)
     p.add_argument("--train-size", type=int, default=20000)
+    p.add_argument("--heldout", choices=["selected", "last"], default="selected",
+                   help="whose held-out predictions the report reads: the selected epoch's "
+                        "classifier (the report's default) or the last epoch's")
     p.add_argument("--true-transition", action="store_true",
                    help="the held-out estimate with the true transition in the run's φ's place")
     args = p.parse_args(argv)
@@ -165,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
               "transition | φ diagonal: run / true |")
         print("|---|---|---|---|")
         for f in args.states:
-            b = estimate_bound(torch.load(f, map_location="cpu", weights_only=False))
+            b = estimate_bound(_load(f, args.heldout))
             rows[f.name] = b
             print(f"| {f.name} | {b['truth_split']:.1f} / {b['truth_train']:.1f} | "
                   f"{b['estimate_run_phi']:.1f} / {b['estimate_true_transition']:.1f} | "
@@ -178,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
           "cleanlab P / R |")
     print("|---|---|---|---|---|---|---|")
     for f in args.states:
-        state = torch.load(f, map_location="cpu", weights_only=False)
+        state = _load(f, args.heldout)
         got = score(state)
         if args.clean_model is not None:
             got["bound"] = bound(state, args.clean_model, args.setting, args.train_size)

@@ -359,6 +359,41 @@ def test_a_latent_class_the_chain_emptied_is_not_relabelled_into_another(tmp_pat
     assert any("emptied latent class 2" in note for note in rep.notes)
 
 
+def test_the_report_reads_the_selected_epochs_heldout_predictions(tmp_path):
+    """A run records the held-out predictions of its last epoch and of its selected one;
+    the report reads the selected classifier's (the one the run exports), and an older
+    state without them the last epoch's. Here the last classifier has memorised: on the
+    held-out images it predicts each observed label, wrong ones included, so read from it
+    the split's labels look right; the selected classifier predicts the clean class."""
+    rng = np.random.default_rng(2)
+    n, k = 400, 3
+    clean = rng.integers(0, k, n)
+    observed = np.where(rng.random(n) < 0.3, (clean + 1) % k, clean)
+    held = np.zeros(n, bool)
+    held[::4] = True
+    post = np.full((n, k), 0.05)
+    post[np.arange(n), clean] = 1.0
+    post /= post.sum(1, keepdims=True)
+    state = _chain_state(observed, clean, post, held, k, k)
+    parrot = np.full((n, k), 0.05)
+    parrot[np.arange(n), observed] = 1.0
+    parrot /= parrot.sum(1, keepdims=True)
+    idx = torch.from_numpy(np.flatnonzero(held))
+    acc = state[STATE_KEY]
+    acc["heldout"] = {"idx": idx, "probs": torch.from_numpy(parrot[held]).float()}
+    truth = float((observed[held] == clean[held]).mean())
+    last = li.build_report(state, clean=clean).cleaning["heldout_accuracy_observed"]
+    assert last > truth + 0.15  # the memorised classifier vouches for the wrong labels
+    acc["heldout_selected"] = {"idx": idx, "probs": torch.from_numpy(post[held]).float(),
+                               "epoch": 5, "val_top1": 0.9}
+    rep = li.build_report(state, clean=clean)
+    assert rep.cleaning["heldout_accuracy_observed"] == pytest.approx(truth, abs=0.06)
+    assert "selected epoch's classifier (noisy validation accuracy 0.9000)" in \
+        rep.cleaning["estimated_from"]
+    ev = {e["method"]: e for e in rep.evaluation if e["split"] == "validation"}
+    assert ev["lccn"]["r_precision"] == 1.0 and ev["cleanlab"]["r_precision"] == 1.0
+
+
 def test_cli_errors_name_the_file(tmp_path):
     with pytest.raises(SystemExit, match="state.pt: no such file"):
         li.main([str(tmp_path)])
