@@ -118,12 +118,17 @@ def main(argv: list[str] | None = None) -> str:
     load = os.getloadavg()
     cmd = "python benchmarks/bench_label_issues.py " + " ".join(sys.argv[1:] if argv is None
                                                                 else argv)
-    text = f"""# The label-issue report against cleanlab on planted flips
+    best = args.warmup_weights == "best"
+    title = ", the noise phase started from the best warm-up epoch (`--warmup-weights best`)" \
+        if best else ""
+    start = ("\nthe noise phase starts from the CE epoch with the best noisy validation "
+             "accuracy\n(`LCCNConfig.warmup_weights`);") if best else ""
+    text = f"""# The label-issue report against cleanlab on planted flips{title}
 
 Script: `benchmarks/bench_label_issues.py` (the protocol is in its docstring): the
 distributed digits quickstart, pair flips at {args.rate} in four classes, {args.epochs} epochs
 ({args.pretrain_epochs} CE), the posterior averaged over the last {args.report_epochs},
-a {args.val_fraction:.0%} noisy validation split; seeds {', '.join(map(str, args.seeds))};
+a {args.val_fraction:.0%} noisy validation split; seeds {', '.join(map(str, args.seeds))};{start}
 mean ± std over seeds. Chance precision is the share of flipped labels (about 0.15).
 
 Command:
